@@ -1,0 +1,183 @@
+"""The engine loop: schedule, run one forward over every scheduled sequence, sample, emit.
+
+It runs on its own thread so callers (the gRPC event loop among them) never block on
+model work; they submit sequences and receive Events through each sequence's `emit`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from kvgen.engine.attention import Step
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.model import Model
+from kvgen.engine.sampling import sample
+from kvgen.engine.scheduler import Scheduler
+from kvgen.engine.sequence import FinishReason, Sequence
+
+log = logging.getLogger("kvgen.engine")
+
+
+class Engine:
+    def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler):
+        self.model = model
+        self.pool = pool
+        self.scheduler = scheduler
+        self._cv = threading.Condition()
+        self._cancelled: list[Sequence] = []
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._calls: list = []
+        self.steps = 0
+        self.on_step = None  # fn(batch, seconds): metrics and tracing hook
+
+    # called from any thread
+
+    def submit(self, seq: Sequence) -> None:
+        with self._cv:
+            self.scheduler.add(seq)
+            self._cv.notify()
+
+    def cancel(self, seq: Sequence) -> None:
+        with self._cv:
+            seq.cancelled = True
+            self._cancelled.append(seq)
+            self._cv.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvgen-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread:
+            self._thread.join()
+        with self._cv:
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self._retire(seq, FinishReason.ABORTED)
+
+    def call(self, fn):
+        """Run fn() on the engine thread between steps (for work that touches the pool)."""
+        done = threading.Event()
+        box = {}
+
+        def wrapped():
+            try:
+                box["value"] = fn()
+            except Exception as e:  # handed back to the caller
+                box["error"] = e
+            done.set()
+
+        with self._cv:
+            self._calls.append(wrapped)
+            self._cv.notify()
+        done.wait()
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.running and not self.scheduler.waiting
+
+    # the engine thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self._cancelled or self._calls or not self.idle):
+                    self._cv.wait()
+                if self._stop:
+                    return
+                cancelled, self._cancelled = self._cancelled, []
+                calls, self._calls = self._calls, []
+            for fn in calls:
+                fn()
+            for seq in cancelled:
+                if not seq.finished:
+                    with self._cv:
+                        self.scheduler.drop(seq)
+                    self._retire(seq, FinishReason.CANCELLED)
+            try:
+                self.step()
+            except Exception as e:  # a broken step must not hang every stream
+                log.exception("engine step failed")
+                with self._cv:
+                    seqs = [*self.scheduler.running]
+                    for seq in seqs:
+                        self.scheduler.drop(seq)
+                for seq in seqs:
+                    self._retire(seq, FinishReason.ABORTED, error=e)
+
+    def step(self) -> None:
+        with self._cv:
+            batch = self.scheduler.schedule()
+        if not batch:
+            time.sleep(0.001)  # blocked on KV room; finished sequences will make some
+            return
+        t0 = time.perf_counter()
+        ids, positions, blocks, offsets, qlens, ctx, rows, tables = [], [], [], [], [], [], [], []
+        row = -1
+        for seq, n in batch:
+            start = seq.cache.length
+            if seq.admitted_at is None:
+                seq.admitted_at = t0
+            ids.extend(seq.tokens[start:start + n])
+            positions.append(torch.arange(start, start + n))
+            b, o = seq.cache.slots(start, n)
+            blocks.append(b)
+            offsets.append(o)
+            qlens.append(n)
+            ctx.append(start + n)
+            row += n
+            rows.append(row)
+            tables.append(seq.cache.blocks)
+        width = max(len(t) for t in tables)
+        step = Step(
+            positions=torch.cat(positions),
+            write_blocks=torch.cat(blocks),
+            write_offsets=torch.cat(offsets),
+            query_lens=qlens,
+            context_lens=ctx,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+            logits_rows=torch.tensor(rows),
+            is_decode=all(n == 1 for n in qlens),
+        )
+        logits = self.model.forward(torch.tensor(ids), step, self.pool.fmt, self.pool.store)
+        for seq, n in batch:
+            seq.cache.advance(n)
+        ready = [i for i, (seq, _) in enumerate(batch) if seq.pending == 0]
+        if ready:
+            seqs = [batch[i][0] for i in ready]
+            picked = sample(logits[ready], [s.params for s in seqs], [s.generator for s in seqs],
+                            [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs])
+            for seq, s in zip(seqs, picked, strict=True):
+                if seq.cancelled or seq.finished:
+                    continue
+                seq.on_token(s)
+                if not seq.finished and seq.num_tokens >= self.model.cfg.context_length:
+                    seq.finish(FinishReason.LENGTH)
+                if seq.finished:
+                    with self._cv:
+                        self.scheduler.drop(seq)
+                    self._release(seq)
+        self.steps += 1
+        if self.on_step:
+            self.on_step(batch, time.perf_counter() - t0)
+
+    def _retire(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
+        seq.finish(reason, error=error)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        owner = getattr(seq, "session", None)
+        if owner is None:
+            seq.cache.free()
+        else:
+            owner.keep(seq)

@@ -1,0 +1,292 @@
+"""The engine's Python API, mirroring the seed: generate, generate_stream, batch_generate,
+and sessions that keep their KV cache between calls."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from kvgen.engine import loader
+from kvgen.engine.kv.formats import make_format
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.model import Model
+from kvgen.engine.sampling import Sampled, SamplingParams
+from kvgen.engine.scheduler import Scheduler
+from kvgen.engine.engine import Engine
+from kvgen.engine.sequence import Event, FinishReason, Sequence, Usage
+from kvgen.engine.tokenizer import TextTokenizer
+
+Prompt = str | list[dict] | list[int]
+
+
+class InvalidRequest(ValueError):
+    """violations: (field, description) pairs, reported as a google.rpc.BadRequest."""
+
+    def __init__(self, violations: list[tuple[str, str]]):
+        super().__init__("; ".join(f"{f}: {d}" for f, d in violations))
+        self.violations = violations
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Sampled] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+    usage: Usage | None = None
+    timings: dict | None = None
+    request_id: str = ""
+
+    def add(self, ev: Event) -> None:
+        self.text += ev.text
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs
+        if ev.finish_reason is not None:
+            self.finish_reason, self.matched_stop = ev.finish_reason, ev.matched_stop
+            self.usage, self.timings = ev.usage, ev.timings
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    weight_dtype: str = "fp32"
+    kv_dtype: str = "fp32"
+    kv_cache_mb: float = 512
+    block_size: int = 16
+    token_budget: int = 512
+    max_running: int = 64
+    max_waiting: int = 256
+    session_ttl_s: float = 600
+    threads: int = 0  # 0 = every core
+
+
+class Generator:
+    def __init__(self, model_path: str | None = None, options: EngineOptions | None = None):
+        opts = options or EngineOptions()
+        self.options = opts
+        torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
+        self.model_path = model_path or loader.embedded_model_path()
+        cfg, weights, src = loader.load(self.model_path)
+        self.cfg = cfg
+        self.tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
+                          else TextTokenizer.from_folder(src["folder"]))
+        self.model = Model(cfg, weights, opts.weight_dtype)
+        del weights
+        fmt = make_format(opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
+                          compute_dtype=self.model.act_dtype)
+        self.pool = BlockPool.from_budget(fmt, opts.kv_cache_mb)
+        self.scheduler = Scheduler(opts.token_budget, opts.max_running, opts.max_waiting, reclaim=self._reclaim)
+        self.engine = Engine(self.model, self.pool, self.scheduler)
+        self.sessions: dict[str, InferenceSession] = {}
+        self._sessions_lock = threading.Lock()
+        self.engine.start()
+
+    def close(self) -> None:
+        self.engine.stop()
+
+    # requests
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+            name = "prompt"
+        elif prompt and isinstance(prompt[0], dict):
+            try:
+                ids = self.tokenizer.encode_chat(prompt)
+            except Exception as e:
+                raise InvalidRequest([("messages", f"chat template failed: {e}")]) from e
+            name = "messages"
+        else:
+            ids = [int(t) for t in prompt]
+            name = "prompt_token_ids"
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise InvalidRequest([(name, f"unknown token ids {bad[:5]} (vocab size {self.cfg.vocab_size})")])
+        if not ids:
+            raise InvalidRequest([(name, "the prompt has no tokens")])
+        return ids
+
+    def check(self, ids: list[int], params: SamplingParams) -> None:
+        bad = [(f"sampling.{f}", d) for f, d in params.validate()]
+        total = len(ids) + params.max_new_tokens
+        if total > self.cfg.context_length:
+            bad.append(("sampling.max_new_tokens", f"prompt ({len(ids)} tokens) + max_new_tokens "
+                        f"({params.max_new_tokens}) exceeds the context length {self.cfg.context_length}"))
+        elif -(-total // self.pool.block_size) > self.pool.capacity:
+            bad.append(("sampling.max_new_tokens", f"prompt + max_new_tokens needs more KV blocks than the "
+                        f"pool holds ({self.pool.capacity} x {self.pool.block_size} tokens)"))
+        if bad:
+            raise InvalidRequest(bad)
+
+    def start(self, ids: list[int], params: SamplingParams, emit, request_id: str = "",
+              session: InferenceSession | None = None) -> Sequence:
+        """Submit a request; events go to emit(ev) from the engine thread. Raises InvalidRequest
+        or Overloaded."""
+        self.check(ids, params)
+        cache = session.cache if session else PagedKVCache(self.pool)
+        seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, emit, cache,
+                       request_id or uuid.uuid4().hex)
+        seq.session = session
+        self.engine.submit(seq)
+        return seq
+
+    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Result:
+        result = Result()
+        for ev in self.generate_stream(prompt, sampling):
+            result.add(ev)
+        return result
+
+    def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                        session: InferenceSession | None = None) -> Iterator[Event]:
+        params = sampling or SamplingParams()
+        ids = session.prepare(prompt) if session else self.prompt_ids(prompt)
+        return self._events(ids, params, session)
+
+    def _events(self, ids, params, session) -> Iterator[Event]:
+        q: queue.Queue[Event] = queue.Queue()
+        seq = self.start(ids, params, q.put, session=session)
+        try:
+            while True:
+                ev = q.get()
+                yield ev
+                if ev.finish_reason is not None:
+                    return
+        finally:
+            if not seq.finished:
+                self.engine.cancel(seq)
+
+    def batch_generate(self, prompts: list[Prompt], sampling: list[SamplingParams] | SamplingParams | None = None
+                       ) -> list[Result | Exception]:
+        """All requests run together in the scheduler; a bad one is returned as its exception."""
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        results: list[Result | Exception] = []
+        done = threading.Semaphore(0)
+        started = 0
+        for prompt, p in zip(prompts, params, strict=True):
+            r = Result()
+            try:
+                ids = self.prompt_ids(prompt)
+                self.start(ids, p, lambda ev, r=r: (r.add(ev), ev.finish_reason is not None and done.release()))
+                started += 1
+                results.append(r)
+            except Exception as e:
+                results.append(e)
+        for _ in range(started):
+            done.acquire()
+        return results
+
+    # sessions
+
+    def new_session(self) -> InferenceSession:
+        s = InferenceSession(self, uuid.uuid4().hex)
+        with self._sessions_lock:
+            self.sessions[s.session_id] = s
+        return s
+
+    def get_session(self, session_id: str) -> InferenceSession | None:
+        with self._sessions_lock:
+            return self.sessions.get(session_id)
+
+    def close_session(self, session_id: str) -> bool:
+        with self._sessions_lock:
+            s = self.sessions.pop(session_id, None)
+        if s:
+            s.close()
+        return s is not None
+
+    def expire_sessions(self, now: float | None = None) -> int:
+        now = now or time.monotonic()
+        with self._sessions_lock:
+            old = [sid for sid, s in self.sessions.items() if now - s.last_used > self.options.session_ttl_s]
+        for sid in old:
+            self.close_session(sid)
+        return len(old)
+
+    def _reclaim(self, need: int) -> bool:
+        """Engine thread, pool short of `need` blocks: drop idle sessions' caches, LRU first."""
+        with self._sessions_lock:
+            idle = sorted(self.sessions.values(), key=lambda s: s.last_used)
+        for s in idle:
+            if self.pool.available >= need:
+                break
+            if s.cache.blocks and s.lock.acquire(blocking=False):
+                try:
+                    s.evict()
+                finally:
+                    s.lock.release()
+        return self.pool.available >= need
+
+
+class InferenceSession:
+    """A conversation whose KV blocks stay in the pool between calls; calls are serialised.
+
+    Messages are appended to the session's conversation; raw prompts and token ids continue
+    its token history. Whatever prefix of the new prompt is already cached is not recomputed.
+    """
+
+    def __init__(self, gen: Generator, session_id: str):
+        self.gen = gen
+        self.session_id = session_id
+        self.cache = PagedKVCache(gen.pool)
+        self.history: list[int] = []  # tokens of the conversation so far
+        self.messages: list[dict] = []
+        self.lock = threading.Lock()
+        self.last_used = time.monotonic()
+        self._pending_messages: list[dict] = []
+
+    def prepare(self, prompt: Prompt) -> list[int]:
+        """Prompt ids for the next turn; trims the cache to what they share with it."""
+        self.last_used = time.monotonic()
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            self._pending_messages = [*self.messages, *prompt]
+            ids = self.gen.prompt_ids(self._pending_messages)
+        else:
+            self._pending_messages = []
+            ids = self.history + self.gen.prompt_ids(prompt)
+        shared = 0
+        for a, b in zip(ids[: self.cache.length], self.history, strict=False):
+            if a != b:
+                break
+            shared += 1
+        self.cache.truncate(min(shared, len(ids) - 1))  # at least one token computes logits
+        return ids
+
+    def keep(self, seq: Sequence) -> None:
+        """Engine thread, at the end of a turn: the cache stays, the history grows."""
+        self.history = seq.tokens
+        self.last_used = time.monotonic()
+
+    def evict(self) -> None:
+        self.cache.reset()
+
+    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Result:
+        result = Result()
+        for ev in self.generate_stream(prompt, sampling):
+            result.add(ev)
+        return result
+
+    def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[Event]:
+        with self.lock:
+            text = ""
+            for ev in self.gen.generate_stream(prompt, sampling, session=self):
+                text += ev.text
+                yield ev
+            self.end_turn(text)
+
+    def end_turn(self, reply: str) -> None:
+        """Record the assistant's reply to a messages turn (raw turns live in `history`)."""
+        if self._pending_messages:
+            self.messages = [*self._pending_messages, {"role": "assistant", "content": reply}]
+        self.last_used = time.monotonic()
+
+    def close(self) -> None:
+        with self.lock:
+            self.gen.engine.call(self.cache.reset)

@@ -1,0 +1,75 @@
+"""A pool of fixed-size KV blocks shared by every sequence, in one storage format."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import torch
+
+from kvgen.engine.kv.formats import KVFormat
+
+
+class PoolExhausted(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, fmt: KVFormat, num_blocks: int, device: str | torch.device = "cpu"):
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.fmt = fmt
+        self.store = fmt.allocate(num_blocks, device)
+        self.capacity = num_blocks
+        self.block_size = fmt.block_size
+        self._free = deque(range(num_blocks))
+        self._fill = [0] * num_blocks  # positions written, per allocated block
+        self._allocated = set()
+        self._lock = threading.Lock()
+        self.on_alloc = None  # hooks for tracing: fn(blocks)
+        self.on_free = None
+
+    @classmethod
+    def from_budget(cls, fmt: KVFormat, budget_mb: float, device="cpu") -> BlockPool:
+        return cls(fmt, int(budget_mb * 2**20) // fmt.bytes_per_block(), device)
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def alloc(self, n: int) -> list[int]:
+        with self._lock:
+            if n > len(self._free):
+                raise PoolExhausted(f"need {n} KV blocks, {len(self._free)} free of {self.capacity}")
+            blocks = [self._free.popleft() for _ in range(n)]
+            self._allocated.update(blocks)
+        if self.on_alloc and blocks:
+            self.on_alloc(blocks)
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        with self._lock:
+            for b in blocks:
+                if b not in self._allocated:
+                    raise RuntimeError(f"KV block {b} freed twice or never allocated")
+                self._allocated.discard(b)
+                self._fill[b] = 0
+                self._free.append(b)
+        if self.on_free and blocks:
+            self.on_free(blocks)
+
+    def set_fill(self, block: int, n: int) -> None:
+        self._fill[block] = n
+
+    def fragmentation_ratio(self) -> float:
+        """Allocated but unwritten positions / allocated positions."""
+        with self._lock:
+            allocated = len(self._allocated) * self.block_size
+            if not allocated:
+                return 0.0
+            used = sum(self._fill[b] for b in self._allocated)
+        return (allocated - used) / allocated

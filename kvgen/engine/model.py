@@ -1,0 +1,125 @@
+"""A Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) over the paged KV cache.
+
+Weights are fused where the math allows (q|k|v, gate|up) so one decode step is a few
+hundred torch calls: at 135M parameters, dispatch cost, not arithmetic, sets the pace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvgen.engine.attention import Step, attend
+from kvgen.engine.config import ModelConfig
+
+WEIGHT_DTYPES = ("fp32", "bf16", "int8")
+
+
+class Linear:
+    """y = x W^T (+ b), with W stored as fp32, bf16, or int8 with a scale per output row."""
+
+    def __init__(self, w: torch.Tensor, b: torch.Tensor | None, dtype: str):
+        self.dtype = dtype
+        self.b = b
+        if dtype == "int8":
+            scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+            self.w = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            self.scale = scale.float()
+        else:
+            self.w = w.to(torch.bfloat16 if dtype == "bf16" else torch.float32).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype == "int8":
+            y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
+            return y if self.b is None else y + self.b
+        return F.linear(x, self.w, self.b)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 as the reference implementations do, whatever the activation dtype.
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.head_dim))
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling)
+    angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
+    return angles.cos(), angles.sin()
+
+
+def _llama3_scaling(inv_freq, s):
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = ((old / wavelen) - lo) / (hi - lo)
+    scaled = torch.where(wavelen > old / lo, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D]; cos, sin: [T, 1, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Layer:
+    def __init__(self, cfg: ModelConfig, w: dict, i: int, dtype: str, act: torch.dtype):
+        p = f"model.layers.{i}."
+        qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        bias = None
+        if cfg.qkv_bias:
+            bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]).to(act)
+        self.qkv = Linear(qkv, bias, dtype)
+        self.o = Linear(w[p + "self_attn.o_proj.weight"], None, dtype)
+        self.gate_up = Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), None, dtype)
+        self.down = Linear(w[p + "mlp.down_proj.weight"], None, dtype)
+        self.ln1 = w[p + "input_layernorm.weight"].to(act)
+        self.ln2 = w[p + "post_attention_layernorm.weight"].to(act)
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype: str = "fp32"):
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+        self.cfg = cfg
+        self.weight_dtype = weight_dtype
+        # bf16 weights run bf16 activations (the matmuls hit AMX/oneDNN); int8 runs fp32.
+        self.act_dtype = torch.bfloat16 if weight_dtype == "bf16" else torch.float32
+        act = self.act_dtype
+        self.embed = weights["model.embed_tokens.weight"].to(act)
+        self.layers = [Layer(cfg, weights, i, weight_dtype, act) for i in range(cfg.num_layers)]
+        self.norm = weights["model.norm.weight"].to(act)
+        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
+        self.lm_head = Linear(head, None, weight_dtype)
+        self.cos, self.sin = rope_tables(cfg, cfg.context_length)
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, step: Step, fmt, store) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) of each sequence's last new token; writes K/V to the store."""
+        cfg = self.cfg
+        T = input_ids.shape[0]
+        cos = self.cos[step.positions].unsqueeze(1).to(self.act_dtype)
+        sin = self.sin[step.positions].unsqueeze(1).to(self.act_dtype)
+        h = self.embed[input_ids]
+        for i, layer in enumerate(self.layers):
+            x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
+            q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            fmt.write(store, i, step.write_blocks, step.write_offsets, k, v.view(T, cfg.num_kv_heads, cfg.head_dim))
+            a = attend(q, fmt, store, i, step)
+            h = h + layer.o(a.reshape(T, self.q_size))
+            x = rms_norm(h, layer.ln2, cfg.rms_norm_eps)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
+        h = rms_norm(h[step.logits_rows], self.norm, cfg.rms_norm_eps)
+        return self.lm_head(h).float()

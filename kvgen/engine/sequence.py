@@ -1,0 +1,145 @@
+"""A request inside the engine: its tokens, its KV, and how its text comes out."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import torch
+
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.sampling import Sampled, SamplingParams
+from kvgen.engine.tokenizer import Detokenizer, TextTokenizer
+
+
+class FinishReason(IntEnum):  # same numbers as kvgen.v1.FinishReason
+    STOP_TOKEN = 1
+    STOP_STRING = 2
+    LENGTH = 3
+    CANCELLED = 4
+    ABORTED = 5
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class Event:
+    """What a request's consumer receives: a delta, and on the last one the ending."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Sampled] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    matched_stop: str = ""
+    usage: Usage | None = None
+    timings: dict | None = None
+    error: Exception | None = None
+
+
+_ids = itertools.count(1)
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: TextTokenizer,
+                 eos_ids: list[int], emit, cache: PagedKVCache, request_id: str = ""):
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.emit = emit  # called from the engine thread with an Event
+        self.cache = cache
+        self.cached_tokens = cache.length  # reused from a session
+        self.tokenizer = tokenizer
+        stop_ids = params.stop_token_ids if params.stop_token_ids is not None else ([] if params.ignore_eos else eos_ids)
+        self.stop_ids = set(stop_ids)
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.detok = Detokenizer(tokenizer, self.prompt_ids)
+        self.held = ""  # text kept back because it may start a stop string
+        self.max_stop = max((len(s) for s in params.stop_strings), default=0)
+        self.cancelled = False
+        self.finished = False
+        self.preemptions = 0
+        self.arrival = time.perf_counter()
+        self.admitted_at: float | None = None
+        self.first_token_at: float | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def pending(self) -> int:
+        """Tokens whose K/V still need computing."""
+        return self.num_tokens - self.cache.length
+
+    def on_token(self, s: Sampled) -> None:
+        """Record a sampled token, emit its text, and finish if a stop condition holds."""
+        now = time.perf_counter()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.output_ids.append(s.token_id)
+        ev = Event(token_ids=[s.token_id], logprobs=[s] if s.logprob is not None else [])
+        if s.token_id in self.stop_ids:
+            ev.text = self.held  # no stop string can complete any more
+            self.held = ""
+            return self.finish(FinishReason.STOP_TOKEN, ev, self.tokenizer.token_text(s.token_id))
+        text = self.held + self.detok.add(s.token_id)
+        at_length = len(self.output_ids) >= self.params.max_new_tokens
+        if at_length:
+            text += self.detok.flush()
+        for stop in self.params.stop_strings:
+            i = text.find(stop)
+            if i >= 0:
+                ev.text = text[:i]
+                self.held = ""
+                return self.finish(FinishReason.STOP_STRING, ev, stop)
+        if at_length:
+            ev.text, self.held = text, ""
+            return self.finish(FinishReason.LENGTH, ev)
+        keep = _stop_prefix_len(text, self.params.stop_strings, self.max_stop)
+        ev.text, self.held = text[: len(text) - keep], text[len(text) - keep:]
+        self.emit(ev)
+
+    def finish(self, reason: FinishReason, ev: Event | None = None, matched: str = "",
+               error: Exception | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        ev = ev or Event()
+        if reason in (FinishReason.CANCELLED, FinishReason.ABORTED) and self.held:
+            ev.text += self.held
+        ev.finish_reason = reason
+        ev.matched_stop = matched
+        ev.error = error
+        ev.usage = Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens)
+        end = time.perf_counter()
+        ev.timings = {
+            "queue_ms": ((self.admitted_at or end) - self.arrival) * 1e3,
+            "time_to_first_token_ms": ((self.first_token_at or end) - self.arrival) * 1e3,
+            "total_ms": (end - self.arrival) * 1e3,
+        }
+        self.emit(ev)
+
+
+def _stop_prefix_len(text: str, stops: list[str], max_stop: int) -> int:
+    """Length of the longest end of text that is the start of some stop string."""
+    for n in range(min(len(text), max_stop - 1), 0, -1):
+        tail = text[-n:]
+        if any(s.startswith(tail) for s in stops):
+            return n
+    return 0

@@ -1,0 +1,158 @@
+"""Tokenizer from GGUF metadata (byte-level BPE) or tokenizer.json, plus the chat template.
+
+The pre-tokenizer follows the model's `tokenizer.ggml.pre`, as llama.cpp does: SmolLM
+("smollm") isolates every digit before the GPT-2 split, which transformers' GGUF
+converter leaves out (so the two differ on multi-digit numbers; ours is the model's).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# GGUF token types (gguf.TokenType)
+_CONTROL, _USER_DEFINED = 3, 4
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_DIGIT_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _pre_tokenizer(pre: str):
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in _DIGIT_FIRST:
+        splits = [pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"),
+                  pre_tokenizers.Split(Regex(_GPT2_SPLIT), "isolated")]
+    elif pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        splits = [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated")]
+    elif pre in ("qwen2", "deepseek-llm"):
+        splits = [pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated")]
+    else:  # "gpt2", "default" and anything unknown: the GPT-2 split
+        splits = [pre_tokenizers.Split(Regex(_GPT2_SPLIT), "isolated")]
+    return pre_tokenizers.Sequence([*splits, byte_level])
+
+
+class TextTokenizer:
+    """encode / decode / chat template; ids are plain lists of ints."""
+
+    def __init__(self, tok: Tokenizer, chat_template: str | None, bos_id: int | None, add_bos: bool,
+                 special_ids: set[int]):
+        self.tok = tok
+        self.chat_template = chat_template
+        self.bos_id = bos_id
+        self.add_bos = add_bos
+        self.special_ids = special_ids
+        self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
+        self._template = None
+        if chat_template:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+            self._template = env.from_string(chat_template)
+
+    @classmethod
+    def from_gguf(cls, reader) -> TextTokenizer:
+        def field(key, default=None):
+            f = reader.fields.get(key)
+            return default if f is None else f.contents()
+
+        model = field("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (byte-level BPE 'gpt2' only)")
+        tokens = field("tokenizer.ggml.tokens")
+        types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+        tok.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre", "default"))
+        tok.decoder = decoders.ByteLevel()
+        special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
+        tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
+        bos = field("tokenizer.ggml.bos_token_id")
+        return cls(tok, field("tokenizer.chat_template"), bos, bool(field("tokenizer.ggml.add_bos_token", False)),
+                   set(special))
+
+    @classmethod
+    def from_folder(cls, folder: Path) -> TextTokenizer:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        cfg_path = folder / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        template = cfg.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        # tokenizer.json's post-processor already adds BOS where the model wants it.
+        special = {t.id if hasattr(t, "id") else i for i, t in tok.get_added_tokens_decoder().items()
+                   if t.special} if hasattr(tok, "get_added_tokens_decoder") else set()
+        bos = cfg.get("bos_token")
+        bos_id = tok.token_to_id(bos if isinstance(bos, str) else (bos or {}).get("content", "")) if bos else None
+        return cls(tok, template, bos_id, False, special)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=True).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tok.decode([token_id], skip_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template is None:
+            raise ValueError("the model has no chat template; send a prompt instead of messages")
+        bos = self.tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=bos, eos_token="")
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes BOS itself when the model wants it.
+        return self.encode(self.apply_chat_template(messages), add_bos=False)
+
+
+def _raise(msg):
+    raise jinja2.exceptions.TemplateError(msg)
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    Decodes a short window (prefix_offset..end) rather than the whole sequence, as vLLM and
+    TGI do, so each step costs O(1) and byte-level merges across tokens decode right.
+    """
+
+    def __init__(self, tokenizer: TextTokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
+        text = dec(self.ids[self.prefix_offset:])
+        if len(text) > len(prefix) and not text.endswith("\ufffd"):
+            delta = text[len(prefix):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is held back at the end (an incomplete character decodes as U+FFFD)."""
+        dec = self.tokenizer.decode
+        prefix = dec(self.ids[self.prefix_offset:self.read_offset])
+        text = dec(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):]
