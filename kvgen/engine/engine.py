@@ -176,8 +176,8 @@ class Engine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        owner = getattr(seq, "session", None)
-        if owner is None:
+        if seq.session is None:
             seq.cache.free()
         else:
-            owner.keep(seq)
+            seq.session.keep(seq)
+        seq.done.set()

@@ -27,6 +27,13 @@ from kvgen.engine.tokenizer import TextTokenizer
 Prompt = str | list[dict] | list[int]
 
 
+def load_model(path: str, weight_dtype: str = "fp32") -> tuple[Model, TextTokenizer]:
+    cfg, weights, src = loader.load(path)
+    tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
+                 else TextTokenizer.from_folder(src["folder"]))
+    return Model(cfg, weights, weight_dtype), tokenizer
+
+
 class InvalidRequest(ValueError):
     """violations: (field, description) pairs, reported as a google.rpc.BadRequest."""
 
@@ -69,25 +76,31 @@ class EngineOptions:
 
 
 class Generator:
-    def __init__(self, model_path: str | None = None, options: EngineOptions | None = None):
+    def __init__(self, model: Model, tokenizer: TextTokenizer, options: EngineOptions | None = None,
+                 model_path: str = ""):
         opts = options or EngineOptions()
         self.options = opts
-        torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
-        self.model_path = model_path or loader.embedded_model_path()
-        cfg, weights, src = loader.load(self.model_path)
-        self.cfg = cfg
-        self.tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
-                          else TextTokenizer.from_folder(src["folder"]))
-        self.model = Model(cfg, weights, opts.weight_dtype)
-        del weights
+        self.model_path = model_path
+        self.cfg = cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.model = model
         fmt = make_format(opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
-                          compute_dtype=self.model.act_dtype)
+                          compute_dtype=model.act_dtype)
         self.pool = BlockPool.from_budget(fmt, opts.kv_cache_mb)
         self.scheduler = Scheduler(opts.token_budget, opts.max_running, opts.max_waiting, reclaim=self._reclaim)
-        self.engine = Engine(self.model, self.pool, self.scheduler)
+        self.engine = Engine(model, self.pool, self.scheduler)
         self.sessions: dict[str, InferenceSession] = {}
         self._sessions_lock = threading.Lock()
         self.engine.start()
+
+    @classmethod
+    def load(cls, model_path: str | None = None, options: EngineOptions | None = None) -> Generator:
+        """Load a GGUF file or HF folder (None: the embedded model) and start the engine."""
+        opts = options or EngineOptions()
+        torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
+        path = model_path or loader.embedded_model_path()
+        model, tokenizer = load_model(path, opts.weight_dtype)
+        return cls(model, tokenizer, opts, path)
 
     def close(self) -> None:
         self.engine.stop()
@@ -162,6 +175,7 @@ class Generator:
         finally:
             if not seq.finished:
                 self.engine.cancel(seq)
+                seq.done.wait()
 
     def batch_generate(self, prompts: list[Prompt], sampling: list[SamplingParams] | SamplingParams | None = None
                        ) -> list[Result | Exception]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -69,6 +70,8 @@ class Sequence:
         self.max_stop = max((len(s) for s in params.stop_strings), default=0)
         self.cancelled = False
         self.finished = False
+        self.done = threading.Event()  # set once the engine has let go of its KV
+        self.session = None
         self.preemptions = 0
         self.arrival = time.perf_counter()
         self.admitted_at: float | None = None

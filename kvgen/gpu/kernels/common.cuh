@@ -31,6 +31,8 @@
 #define KVG_FMT_Q4 4
 
 #define KVG_FP8_MAX 448.0f
+// -inf without <cmath>'s INFINITY (NVRTC has no such macro without headers).
+#define KVG_NEG_INF kvg_u2f(0xFF800000u)
 
 typedef unsigned char u8;
 typedef unsigned short u16;

@@ -1,0 +1,52 @@
+"""A small Python client for kvgen.v1.Generator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from kvgen.v1 import generate_pb2 as pb
+from kvgen.v1 import generate_pb2_grpc as pb_grpc
+
+
+def request(prompt: str | list[dict] | list[int], session_id: str = "", request_id: str = "",
+            **sampling) -> pb.GenerateRequest:
+    """A GenerateRequest from a prompt (text, chat messages or token ids) and sampling fields."""
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), session_id=session_id, request_id=request_id)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    elif prompt and isinstance(prompt[0], dict):
+        req.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    else:
+        req.prompt_token_ids.extend(prompt)
+    return req
+
+
+class Client:
+    def __init__(self, target: str = "localhost:50051", api_key: str = "", channel: grpc.Channel | None = None):
+        self.channel = channel or grpc.insecure_channel(target)
+        self.stub = pb_grpc.GeneratorStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+    def generate(self, prompt, timeout: float | None = None, **kw) -> pb.GenerateResponse:
+        return self.stub.Generate(request(prompt, **kw), timeout=timeout, metadata=self.metadata)
+
+    def stream(self, prompt, timeout: float | None = None, **kw) -> Iterator[pb.GenerateStreamResponse]:
+        return self.stub.GenerateStream(request(prompt, **kw), timeout=timeout, metadata=self.metadata)
+
+    def batch(self, requests: list[pb.GenerateRequest], timeout: float | None = None) -> pb.BatchGenerateResponse:
+        return self.stub.BatchGenerate(pb.BatchGenerateRequest(requests=requests), timeout=timeout,
+                                       metadata=self.metadata)
+
+    def model_info(self) -> pb.GetModelInfoResponse:
+        return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
+
+    def create_session(self) -> str:
+        return self.stub.CreateSession(pb.CreateSessionRequest(), metadata=self.metadata).session_id
+
+    def close_session(self, session_id: str) -> None:
+        self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()

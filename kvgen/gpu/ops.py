@@ -1,0 +1,396 @@
+"""GPU entry points the engine calls on CUDA tensors.
+
+CUDA C kernels (kernels/*.cu, compiled by CuPy's RawModule with NVRTC, cached per process
+and on disk by CuPy):
+    kv_append(fmt, store, layer, k, v, block_tables, seq_lens)   decode-step append
+    increment(seq_lens, valid=None, n=1)                         advance the length counters
+    flash_decode(q, fmt, store, layer, block_tables, context_lens, num_splits=None, ...)
+Numba CUDA kernels (pack.py; they also run in Numba's simulator):
+    pack_fp8 / unpack_fp8 / pack_q4 / unpack_q4                  bulk (de)quantisation
+
+Everything is launched on torch's current stream (CuPy through an ExternalStream, Numba
+through cuda.external_stream), so it orders with the surrounding torch work and is captured
+by torch.cuda.graph. Tensors reach CuPy / Numba without copies through
+__cuda_array_interface__ (bf16 / fp16 / fp8 are passed as int16 / uint8 views of the same
+memory; the kernels decode the bits). Scalars are passed as np.int32 / np.float32 so the
+kernel parameter sizes match. No function here reads a device value on the host: nothing
+syncs, which is what makes the decode step capturable.
+
+A decode step, with seq_lens[b] = tokens already cached for row b (-1 for padding rows):
+    for layer in layers:
+        kv_append(fmt, store, layer, k, v, block_tables, seq_lens)        # writes at seq_lens[b]
+        out = flash_decode(q, fmt, store, layer, block_tables, seq_lens, len_offset=1)
+    increment(seq_lens)                                                    # once, after the last layer
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import pathlib
+
+import numpy as np
+import torch
+
+KERNEL_DIR = pathlib.Path(__file__).parent / "kernels"
+KERNEL_FILES = ("kv_append", "flash_decode")
+FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
+MAX_HEAD_DIM = 256
+APPEND_THREADS = 128  # kv_append.cu KVG_APPEND_THREADS
+DECODE_THREADS = 128  # flash_decode.cu KVG_FD_THREADS
+MAX_HEADS_PER_CTA = 8  # flash_decode.cu KVG_FD_MAX_G
+# Resident flash-decode thread blocks per SM assumed by the split heuristic (about 120
+# registers x 128 threads at head_dim 128 -> 4 per SM); a GPU profile may retune it.
+CTAS_PER_SM = 4
+MIN_TOKENS_PER_SPLIT = 128
+
+_DTYPE_NAME = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+
+
+# ---- plumbing -------------------------------------------------------------------------------
+
+
+def _cupy():
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError("kvgen.gpu needs CuPy (pip install cupy-cuda12x) and a CUDA device") from e
+    return cupy
+
+
+def kernel_source(name: str) -> str:
+    """Source of kernels/<name>.cu with common.cuh pasted in, so NVRTC needs no include path
+    and CuPy's cache key (the source text) changes whenever the header does."""
+    src = (KERNEL_DIR / f"{name}.cu").read_text()
+    common = (KERNEL_DIR / "common.cuh").read_text()
+    return src.replace('#include "common.cuh"', common, 1)
+
+
+@functools.cache
+def _module(name: str, device_index: int):
+    cp = _cupy()
+    with cp.cuda.Device(device_index):
+        return cp.RawModule(code=kernel_source(name), options=("-std=c++17",))
+
+
+@functools.cache
+def _function(module: str, fn: str, device_index: int):
+    cp = _cupy()
+    with cp.cuda.Device(device_index):
+        return _module(module, device_index).get_function(fn)
+
+
+def _device_index(t: torch.Tensor) -> int:
+    if t.device.type != "cuda":
+        raise ValueError(f"expected a CUDA tensor, got one on {t.device}")
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """Same memory, a dtype both CuPy and Numba understand (kernels take raw bits)."""
+    t = t.detach()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.view(torch.int16)
+    if t.dtype in (torch.float8_e4m3fn, torch.bool):
+        return t.view(torch.uint8)
+    return t
+
+
+def _cp(t: torch.Tensor):
+    return _cupy().asarray(_raw(t))  # zero-copy through __cuda_array_interface__
+
+
+def _launch(module: str, fn: str, device_index: int, grid, block, args) -> None:
+    cp = _cupy()
+    kernel = _function(module, fn, device_index)
+    stream = cp.cuda.ExternalStream(torch.cuda.current_stream(device_index).cuda_stream)
+    with cp.cuda.Device(device_index), stream:
+        kernel(grid, block, args)
+
+
+def _format_name(fmt) -> str:
+    name = getattr(fmt, "name", "")
+    if name not in FORMATS:
+        raise ValueError(f"no GPU kernels for KV format {name!r}; supported: {', '.join(FORMATS)}")
+    return name
+
+
+def _cache_tensors(name: str, store: dict[str, torch.Tensor], head_dim: int):
+    """(codes / values tensor, scale tensor or None, q4 group size) of a store."""
+    if name == "q4":
+        cache, scale = store["q"], store["scale"]
+        if cache.shape[-1] * 2 != head_dim or head_dim % scale.shape[-1]:
+            raise ValueError(f"q4 store shapes {tuple(cache.shape)}, {tuple(scale.shape)} "
+                             f"do not fit head_dim {head_dim}")
+        group = head_dim // scale.shape[-1]
+    else:
+        cache, scale, group = store["kv"], store.get("scale") if name == "fp8" else None, 1
+        if cache.shape[-1] != head_dim:
+            raise ValueError(f"store head_dim {cache.shape[-1]} != {head_dim}")
+    for t in (cache, scale):
+        if t is not None and not t.is_contiguous():
+            raise ValueError("the KV store tensors must be contiguous")
+    return cache, scale, group
+
+
+def _check_int32(name: str, t: torch.Tensor, ndim: int, batch: int) -> None:
+    if t.dtype != torch.int32 or t.dim() != ndim or t.shape[0] != batch or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous int32 tensor with {ndim} dims and batch "
+                         f"{batch}, got {t.dtype} {tuple(t.shape)}")
+
+
+# ---- decode-step append ---------------------------------------------------------------------
+
+
+def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, v: torch.Tensor,
+              block_tables: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Write row b's new k[b], v[b] ([B, kv_heads, head_dim], fp32/fp16/bf16) for `layer` at
+    position seq_lens[b] (the tokens already cached) of its sequence: block
+    block_tables[b, pos // block_size], offset pos % block_size, both looked up on the GPU.
+    Rows with seq_lens[b] < 0, a position past the table or a -1 table entry write nothing.
+    fp8 and q4 quantise on the way in (fp8 grows the block's scale and requantises the block's
+    earlier rows when needed), exactly as the torch formats do. seq_lens is not changed: call
+    increment() once per step after the last layer."""
+    name = _format_name(fmt)
+    if k.shape != v.shape or k.dim() != 3 or k.dtype != v.dtype or k.dtype not in _DTYPE_NAME:
+        raise ValueError(f"k, v must be [B, kv_heads, head_dim] fp32/fp16/bf16, got "
+                         f"{tuple(k.shape)} {k.dtype}, {tuple(v.shape)} {v.dtype}")
+    b, kvh, hd = k.shape
+    _check_int32("block_tables", block_tables, 2, b)
+    _check_int32("seq_lens", seq_lens, 1, b)
+    if hd > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {hd} > {MAX_HEAD_DIM}")
+    cache, scale, group = _cache_tensors(name, store, hd)
+    _, n_layers, _, block_size, cache_kvh, _ = cache.shape
+    if cache_kvh != kvh or not 0 <= layer < n_layers:
+        raise ValueError(f"kv_heads {kvh} / layer {layer} do not fit the store {tuple(cache.shape)}")
+    if b == 0:
+        return
+    dev = _device_index(k)
+    k, v = k.contiguous(), v.contiguous()
+    args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache), _cp(block_tables),
+            _cp(seq_lens), np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
+            np.int32(block_size), np.int32(kvh), np.int32(hd), np.int32(group))
+    _launch("kv_append", f"kv_append_{name}_{_DTYPE_NAME[k.dtype]}", dev, (b, kvh, 2), (APPEND_THREADS,), args)
+
+
+def increment(seq_lens: torch.Tensor, valid: torch.Tensor | None = None, n: int = 1) -> None:
+    """seq_lens[b] += n on the GPU for rows with seq_lens[b] >= 0 (and valid[b], a bool or
+    uint8 [B] mask, when given). Padding rows (-1) stay -1."""
+    _check_int32("seq_lens", seq_lens, 1, seq_lens.shape[0] if seq_lens.dim() else -1)
+    batch = seq_lens.shape[0]
+    if valid is not None and (valid.shape != (batch,) or valid.dtype not in (torch.bool, torch.uint8)):
+        raise ValueError("valid must be a bool / uint8 [B] tensor")
+    if batch == 0:
+        return
+    dev = _device_index(seq_lens)
+    has_valid = valid is not None
+    mask = valid.contiguous() if has_valid else seq_lens
+    args = (_cp(seq_lens), _cp(mask), np.int32(has_valid), np.int32(batch), np.int32(n))
+    _launch("kv_append", "kv_increment", dev, (-(-batch // 128),), (128,), args)
+
+
+# ---- flash-decode ---------------------------------------------------------------------------
+
+
+def num_splits_heuristic(num_ctas: int, num_slots: int, num_n_blocks: int, max_splits: int = 128) -> int:
+    """FlashAttention-2's split-KV heuristic: the smallest split count whose wave efficiency
+    (CTAs / slots rounded up to whole waves) is within 85% of the best one.
+
+    num_ctas: thread blocks per split; num_slots: thread blocks the GPU runs at once;
+    num_n_blocks: chunks of the longest sequence a split can be made of."""
+    if num_ctas >= 0.8 * num_slots:
+        return 1
+    max_splits = max(1, min(max_splits, num_slots, num_n_blocks))
+
+    def ceil_div(a, b):
+        return -(-a // b)
+
+    def eligible(s):  # a split count that changes the chunks per split (no empty splits)
+        return s == 1 or ceil_div(num_n_blocks, s) != ceil_div(num_n_blocks, s - 1)
+
+    eff = []
+    for s in range(1, max_splits + 1):
+        waves = num_ctas * s / num_slots
+        eff.append(waves / math.ceil(waves) if eligible(s) else 0.0)
+    best = max(eff)
+    for s in range(1, max_splits + 1):
+        if eligible(s) and eff[s - 1] >= 0.85 * best:
+            return s
+    return 1
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, num_heads: int, max_context_len: int,
+                      block_size: int, num_sms: int) -> int:
+    """Split count for flash_decode from host-known sizes only (no sync, so it is fixed for a
+    CUDA graph): the longest possible context is cut into chunks of whole cache blocks of at
+    least MIN_TOKENS_PER_SPLIT tokens, and the FA2 heuristic picks how many chunks to spread
+    over thread blocks so batch x kv heads x splits fills the GPU."""
+    chunks = -(-(num_heads // num_kv_heads) // MAX_HEADS_PER_CTA)
+    chunk_tokens = block_size * max(1, -(-MIN_TOKENS_PER_SPLIT // block_size))
+    n_blocks = max(1, -(-max_context_len // chunk_tokens))
+    return num_splits_heuristic(batch * num_kv_heads * chunks, num_sms * CTAS_PER_SM, n_blocks)
+
+
+def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: int,
+                 block_tables: torch.Tensor, context_lens: torch.Tensor, num_splits: int | None = None,
+                 *, len_offset: int = 0, max_context_len: int | None = None,
+                 sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention of q [B, H, head_dim] (fp32/fp16/bf16) over the paged cache of `layer`.
+
+    Row b attends to its first context_lens[b] + len_offset tokens (including the new one;
+    <= 0 gives a zero output) through block_tables[b]; query head h uses kv head
+    h // (H // kv_heads). Returns out [B, H, head_dim] in q's dtype (written into `out` when
+    given). num_splits (KV splits per sequence, flash-decoding) defaults to
+    choose_num_splits(...) with max_context_len (default: the block table's capacity) -- all
+    host-side, so a captured graph keeps a fixed launch shape and any lengths stay correct."""
+    name = _format_name(fmt)
+    if q.dim() != 3 or q.dtype not in _DTYPE_NAME:
+        raise ValueError(f"q must be [B, H, head_dim] fp32/fp16/bf16, got {tuple(q.shape)} {q.dtype}")
+    b, h, hd = q.shape
+    _check_int32("block_tables", block_tables, 2, b)
+    _check_int32("context_lens", context_lens, 1, b)
+    if hd > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {hd} > {MAX_HEAD_DIM}")
+    cache, scale, group = _cache_tensors(name, store, hd)
+    _, n_layers, _, block_size, kvh, _ = cache.shape
+    if h % kvh or not 0 <= layer < n_layers:
+        raise ValueError(f"{h} query heads / layer {layer} do not fit the store {tuple(cache.shape)}")
+    if out is None:
+        out = torch.empty((b, h, hd), dtype=q.dtype, device=q.device)
+    elif out.shape != (b, h, hd) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError("out must be a contiguous tensor shaped and typed like q")
+    if b == 0:
+        return out
+    dev = _device_index(q)
+    max_blocks = block_tables.shape[1]
+    if num_splits is None:
+        max_len = max_context_len if max_context_len is not None else max_blocks * block_size
+        num_splits = choose_num_splits(b, kvh, h, max_len, block_size, _sm_count(dev))
+    num_splits = max(1, int(num_splits))
+    chunks = -(-(h // kvh) // MAX_HEADS_PER_CTA)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(hd)
+
+    q = q.contiguous()
+    part_acc = torch.empty((b, h, num_splits, hd), dtype=torch.float32, device=q.device)
+    part_ml = torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=q.device)
+    hd_name = "hd128" if hd <= 128 else "hd256"
+    split_args = (
+        _cp(q), _cp(cache), _cp(scale if scale is not None else cache), _cp(block_tables),
+        _cp(context_lens), _cp(part_acc), _cp(part_ml), np.int32(max_blocks), np.int32(len_offset),
+        np.int32(h), np.int32(kvh), np.int32(hd), np.int32(n_layers), np.int32(layer),
+        np.int32(block_size), np.int32(group), np.int32(num_splits),
+        np.float32(sm_scale * math.log2(math.e)))
+    _launch("flash_decode", f"flash_decode_split_{name}_{_DTYPE_NAME[q.dtype]}_{hd_name}", dev,
+            (num_splits, kvh * chunks, b), (DECODE_THREADS,), split_args)
+    reduce_args = (_cp(part_acc), _cp(part_ml), _cp(out), np.int32(h), np.int32(hd), np.int32(num_splits))
+    _launch("flash_decode", f"flash_decode_reduce_{_DTYPE_NAME[q.dtype]}", dev, (h, b), (128,), reduce_args)
+    return out
+
+
+# ---- bulk pack / unpack (Numba) -------------------------------------------------------------
+
+_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # pack.F32 / F16 / BF16
+
+
+def _numba_env(t: torch.Tensor):
+    """(numba.cuda, the torch current stream as a Numba stream, device context)."""
+    from numba import cuda
+
+    dev = _device_index(t)
+    return cuda, cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream), cuda.gpus[dev]
+
+
+def _nb(cuda, t: torch.Tensor):
+    return cuda.as_cuda_array(_raw(t))  # zero-copy through __cuda_array_interface__
+
+
+def _out(t: torch.Tensor | None, shape, dtype, like: torch.Tensor) -> torch.Tensor:
+    if t is None:
+        return torch.empty(shape, dtype=dtype, device=like.device)
+    if t.dtype != dtype or t.device != like.device:
+        raise ValueError(f"output must be {dtype} on {like.device}, got {t.dtype} on {t.device}")
+    return t
+
+
+def pack_fp8(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise whole blocks to fp8: x [*lead, T, kv_heads, head_dim] (fp32/fp16/bf16) ->
+    q float8_e4m3fn (same shape) and scale float32 [*lead, kv_heads] = absmax over (T,
+    head_dim) / 448, q = quant.fp8_quantize(x, scale). A store slice `store["kv"][blocks]`
+    [n, L, 2, BS, KVH, HD] gives scales shaped like `store["scale"][blocks]`. Outputs may be
+    given (any strides that view as [M, T, KVH, HD] / [M, KVH])."""
+    if x.dim() < 3 or x.dtype not in _KIND:
+        raise ValueError(f"x must be [..., T, kv_heads, head_dim] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+    from kvgen.gpu import pack
+
+    *lead, t, kvh, hd = x.shape
+    m = math.prod(lead)
+    q = _out(q_out, x.shape, torch.float8_e4m3fn, x)
+    scale = _out(scale_out, (*lead, kvh), torch.float32, x)
+    cuda, stream, ctx = _numba_env(x)
+    with ctx:
+        pack.fp8_pack(_nb(cuda, x.reshape(m, t, kvh, hd)), _KIND[x.dtype], _nb(cuda, q.view(m, t, kvh, hd)),
+                      _nb(cuda, scale.view(m, kvh)), stream)
+    return q, scale
+
+
+def unpack_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8 blocks back to values: q [*lead, T, kv_heads, head_dim] float8_e4m3fn (or its uint8
+    bits), scale [*lead, kv_heads] -> float32(q) * scale, cast (nearest even) to `dtype`."""
+    from kvgen.gpu import pack
+
+    *lead, t, kvh, hd = q.shape
+    m = math.prod(lead)
+    out = _out(out, q.shape, dtype, q)
+    cuda, stream, ctx = _numba_env(q)
+    with ctx:
+        pack.fp8_unpack(_nb(cuda, q.view(m, t, kvh, hd)), _nb(cuda, scale.reshape(m, kvh)), _KIND[dtype],
+                        _nb(cuda, out.view(m, t, kvh, hd)), stream)
+    return out
+
+
+def pack_q4(x: torch.Tensor, group: int | None = None, packed_out: torch.Tensor | None = None,
+            scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4 of x [..., head_dim] (fp32/fp16/bf16), group size `group` (default min(32, head_dim))
+    -> packed uint8 [..., head_dim // 2] and scales float16 [..., head_dim // group], exactly
+    quant.q4_quantize."""
+    if x.dtype not in _KIND:
+        raise ValueError(f"x must be fp32/fp16/bf16, got {x.dtype}")
+    from kvgen.gpu import pack
+
+    hd = x.shape[-1]
+    group = group or min(32, hd)
+    if hd % 2 or hd % group:
+        raise ValueError(f"q4 needs an even head_dim divisible by the group size, got {hd} / {group}")
+    r = x.numel() // hd if hd else 0
+    packed = _out(packed_out, (*x.shape[:-1], hd // 2), torch.uint8, x)
+    scales = _out(scales_out, (*x.shape[:-1], hd // group), torch.float16, x)
+    cuda, stream, ctx = _numba_env(x)
+    with ctx:
+        pack.q4_pack(_nb(cuda, x.reshape(r, hd)), _KIND[x.dtype], group, _nb(cuda, packed.view(r, hd // 2)),
+                     _nb(cuda, scales.view(r, hd // group)), stream)
+    return packed, scales
+
+
+def unpack_q4(packed: torch.Tensor, scales: torch.Tensor, group: int | None = None,
+              dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q4 back to values [..., head_dim] (quant.q4_dequantize, cast nearest-even to dtype)."""
+    from kvgen.gpu import pack
+
+    hd = packed.shape[-1] * 2
+    group = group or hd // scales.shape[-1]
+    r = packed.numel() // (hd // 2) if hd else 0
+    out = _out(out, (*packed.shape[:-1], hd), dtype, packed)
+    cuda, stream, ctx = _numba_env(packed)
+    with ctx:
+        pack.q4_unpack(_nb(cuda, packed.view(r, hd // 2)), _nb(cuda, scales.view(r, hd // group)), group,
+                       _KIND[dtype], _nb(cuda, out.view(r, hd)), stream)
+    return out

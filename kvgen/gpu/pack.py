@@ -1,0 +1,399 @@
+"""Bulk fp8 / q4 pack and unpack of whole KV blocks, as Numba CUDA kernels.
+
+Used for prefill writes (many tokens at once) and tier promotion (a block moved between a
+quantised tier and a plain one). Numba, not CUDA C, so the same code also runs in Numba's
+CUDA simulator (NUMBA_ENABLE_CUDASIM=1) and CI checks it bit-exactly against the torch
+references in kvgen.engine.kv.quant without a GPU.
+
+Bit-exactness rules the style of the scalar helpers below:
+  * every float is float32: constants are written np.float32(...), so neither Numba on the
+    device nor numpy in the simulator promotes anything to float64 (tests/test_gpu_build.py
+    lowers every kernel and fails on any double in the IR);
+  * fp16 / bf16 / e4m3 values are handled as raw bits (int16 / uint8 views of the tensors,
+    because Numba has no bf16 or fp8 type), and converted arithmetically with exact steps
+    (power-of-two scaling, floor) plus an explicit round-half-to-even;
+  * no multiply followed by an add (the device compiler would fuse it into an fma).
+
+Array arguments are anything Numba accepts as a device array: numba device arrays or
+`cuda.as_cuda_array(torch_tensor)` on a GPU, numpy arrays in the simulator. kvgen.gpu.ops
+wraps these for torch tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import numpy as np
+from numba import cuda
+
+# Element kinds of the x / out arrays: float32 values, or int16 bits of fp16 / bf16.
+F32, F16, BF16 = 0, 1, 2
+
+THREADS = 128
+MAX_BLOCKS = 4096  # grid-stride loops cover the rest
+
+
+# ---- scalar helpers (plain Python: tests also compile them with numba.njit) ----------------
+
+
+def rne(y):
+    """Round a float32 to the nearest integer, ties to even (CUDA rintf, torch.round)."""
+    f = np.float32(math.floor(y))
+    d = y - f  # exact: y and floor(y) are within 1 of each other
+    if d > np.float32(0.5) or (d == np.float32(0.5) and (int(f) & 1) == 1):
+        f = f + np.float32(1.0)
+    return f
+
+
+def sign_bit(x):
+    """1 if float32 x has its sign bit set (also for -0.0), else 0."""
+    return 1 if math.copysign(np.float32(1.0), x) < np.float32(0.0) else 0
+
+
+def f16_bits(x):
+    """float32 -> fp16 bits 0..65535, round to nearest even, inf past the range."""
+    s = sign_bit(x) << 15
+    a = abs(x)
+    if a != a:
+        return 0x7E00
+    if a >= np.float32(65520.0):
+        return s | 0x7C00
+    if a < np.float32(6.103515625e-05):  # 2^-14, smallest normal: fixed spacing 2^-24
+        return s | int(rne(a * np.float32(16777216.0)))  # 2^24; 1024 = smallest normal, right
+    mant, e = math.frexp(a)  # a = mant * 2^e, 0.5 <= mant < 1
+    m = int(rne(np.float32(math.ldexp(mant, 11))))  # 11 significant bits, 1024..2048
+    e = e - 1
+    if m == 2048:
+        m = 1024
+        e = e + 1
+    return s | ((e + 15) << 10) | (m - 1024)
+
+
+def f16_value(b):
+    """fp16 bits (0..65535) -> float32."""
+    e = (b >> 10) & 31
+    m = b & 1023
+    if e == 0:
+        v = np.float32(m) * np.float32(5.960464477539063e-08)  # m * 2^-24
+    elif e == 31:
+        v = np.float32(math.inf) if m == 0 else np.float32(math.nan)
+    else:
+        v = np.float32(math.ldexp(np.float32(1024 + m), e - 25))
+    if b & 0x8000:
+        v = -v
+    return v
+
+
+def bf16_bits(x):
+    """float32 -> bf16 bits 0..65535, round to nearest even."""
+    s = sign_bit(x) << 15
+    a = abs(x)
+    if a != a:
+        return s | 0x7FC0
+    if a == np.float32(math.inf):
+        return s | 0x7F80
+    if a < np.float32(1.1754943508222875e-38):  # 2^-126: bf16 subnormals, spacing 2^-133
+        y = (a * np.float32(7.378697629483821e19)) * np.float32(1.4757395258967641e20)  # 2^66 * 2^67
+        return s | int(rne(y))  # 128 = smallest normal, right
+    mant, e = math.frexp(a)
+    m = int(rne(np.float32(math.ldexp(mant, 8))))  # 8 significant bits, 128..256
+    e = e - 1
+    if m == 256:
+        m = 128
+        e = e + 1
+    if e + 127 >= 255:
+        return s | 0x7F80
+    return s | ((e + 127) << 7) | (m - 128)
+
+
+def bf16_value(b):
+    """bf16 bits (0..65535) -> float32."""
+    e = (b >> 7) & 255
+    m = b & 127
+    if e == 0:
+        v = (np.float32(m) * np.float32(6.776263578034403e-21)) * np.float32(1.3552527156068805e-20)
+    elif e == 255:
+        v = np.float32(math.inf) if m == 0 else np.float32(math.nan)
+    else:
+        v = np.float32(math.ldexp(np.float32(128 + m), e - 134))
+    if b & 0x8000:
+        v = -v
+    return v
+
+
+def e4m3_bits(x):
+    """float32 (already clamped to +-448) -> float8_e4m3fn bits 0..255, nearest even."""
+    s = sign_bit(x) << 7
+    a = abs(x)
+    if a != a:
+        return s | 0x7F
+    if a < np.float32(0.015625):  # 2^-6, smallest normal: fixed spacing 2^-9
+        return s | int(rne(a * np.float32(512.0)))  # 8 = smallest normal, right
+    mant, e = math.frexp(a)
+    m = int(rne(np.float32(math.ldexp(mant, 4))))  # 4 significant bits, 8..16
+    e = e - 1
+    if m == 16:
+        m = 8
+        e = e + 1
+    return s | ((e + 7) << 3) | (m - 8)
+
+
+def e4m3_value(b):
+    """float8_e4m3fn bits (0..255) -> float32."""
+    e = (b >> 3) & 15
+    m = b & 7
+    if e == 0:
+        v = np.float32(m) * np.float32(0.001953125)  # m * 2^-9
+    elif e == 15 and m == 7:
+        v = np.float32(math.nan)
+    else:
+        v = np.float32(math.ldexp(np.float32(8 + m), e - 10))
+    if b & 0x80:
+        v = -v
+    return v
+
+
+def fp8_code(x, scale):
+    """quant.fp8_quantize for one element: x / scale (0 if scale <= 0), clamp +-448, e4m3."""
+    y = np.float32(0.0)
+    if scale > np.float32(0.0):
+        y = x / scale
+    y = min(max(y, np.float32(-448.0)), np.float32(448.0))
+    return e4m3_bits(y)
+
+
+def q4_code(x, s):
+    """quant.q4_quantize for one element: clamp(round(x / s), -8, 7) + 8; 8 where s == 0.
+    Clamping before rounding is the same thing, as -8 and 7 are integers."""
+    if not s > np.float32(0.0):
+        return 8
+    y = min(max(x / s, np.float32(-8.0)), np.float32(7.0))
+    return int(rne(y)) + 8
+
+
+def load(v, kind):
+    """An element of an x array as float32: float32 as is, int16 bits decoded."""
+    if kind == F32:
+        return np.float32(v)
+    b = int(v) & 0xFFFF
+    if kind == F16:
+        return f16_value(b)
+    return bf16_value(b)
+
+
+def encode16(v, kind):
+    """float32 -> int16 holding fp16 (kind F16) or bf16 bits."""
+    b = f16_bits(v) if kind == F16 else bf16_bits(v)
+    return b - 65536 if b >= 32768 else b
+
+
+HELPERS = (rne, sign_bit, f16_bits, f16_value, bf16_bits, bf16_value, e4m3_bits, e4m3_value,
+           fp8_code, q4_code, load, encode16)
+
+
+def build_helpers(decorate) -> dict:
+    """The helpers compiled with `decorate` (cuda.jit(device=True), numba.njit, ...), calling
+    each other's compiled versions: copies of the functions with their own globals."""
+    g = {"np": np, "math": math, "F32": F32, "F16": F16, "BF16": BF16}
+    out = {}
+    for f in HELPERS:
+        fn = types.FunctionType(f.__code__, g, f.__name__, f.__defaults__, f.__closure__)
+        out[f.__name__] = g[f.__name__] = decorate(fn)
+    return out
+
+
+# Device versions, called by the kernels.
+_d = build_helpers(cuda.jit(device=True))
+_load, _encode16, _fp8_code, _e4m3_value = _d["load"], _d["encode16"], _d["fp8_code"], _d["e4m3_value"]
+_q4_code, _f16_bits, _f16_value = _d["q4_code"], _d["f16_bits"], _d["f16_value"]
+
+
+# ---- kernels ------------------------------------------------------------------------------
+# fp8 arrays are 4-D [M, T, KVH, HD] with scales [M, KVH] (M = blocks x layers x k|v for a
+# slice of the store); q4 arrays are 2-D rows [R, HD], codes [R, HD // 2], scales [R, HD // G].
+
+
+@cuda.jit
+def fp8_scale_kernel(x, kind, scale):
+    """scale[m, h] = absmax(x[m, :, h, :]) / 448. Grid (M, KVH), THREADS threads (a power of 2)."""
+    m = cuda.blockIdx.x
+    h = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    t_n = x.shape[1]
+    hd = x.shape[3]
+    red = cuda.shared.array(THREADS, np.float32)
+    amax = np.float32(0.0)
+    for i in range(tid, t_n * hd, cuda.blockDim.x):
+        a = abs(_load(x[m, i // hd, h, i % hd], kind))
+        if a > amax:
+            amax = a
+    red[tid] = amax
+    cuda.syncthreads()
+    step = cuda.blockDim.x // 2
+    while step > 0:
+        if tid < step and red[tid + step] > red[tid]:
+            red[tid] = red[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    if tid == 0:
+        scale[m, h] = red[0] / np.float32(448.0)
+
+
+@cuda.jit
+def fp8_quant_kernel(x, kind, scale, q):
+    """q[m, t, h, d] = e4m3(x / scale[m, h]); one thread per element (grid-stride)."""
+    t_n, kvh, hd = x.shape[1], x.shape[2], x.shape[3]
+    total = x.shape[0] * t_n * kvh * hd
+    for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+        d = i % hd
+        r = i // hd
+        h = r % kvh
+        r = r // kvh
+        t = r % t_n
+        m = r // t_n
+        q[m, t, h, d] = _fp8_code(_load(x[m, t, h, d], kind), scale[m, h])
+
+
+@cuda.jit
+def fp8_dequant_f32_kernel(q, scale, out):
+    """out[m, t, h, d] = float(q) * scale[m, h] as float32."""
+    t_n, kvh, hd = q.shape[1], q.shape[2], q.shape[3]
+    total = q.shape[0] * t_n * kvh * hd
+    for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+        d = i % hd
+        r = i // hd
+        h = r % kvh
+        r = r // kvh
+        t = r % t_n
+        m = r // t_n
+        out[m, t, h, d] = _e4m3_value(int(q[m, t, h, d])) * scale[m, h]
+
+
+@cuda.jit
+def fp8_dequant_16_kernel(q, scale, kind, out):
+    """Same as fp8_dequant_f32_kernel, out as int16 fp16 / bf16 bits (rounded to nearest even)."""
+    t_n, kvh, hd = q.shape[1], q.shape[2], q.shape[3]
+    total = q.shape[0] * t_n * kvh * hd
+    for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+        d = i % hd
+        r = i // hd
+        h = r % kvh
+        r = r // kvh
+        t = r % t_n
+        m = r // t_n
+        out[m, t, h, d] = _encode16(_e4m3_value(int(q[m, t, h, d])) * scale[m, h], kind)
+
+
+@cuda.jit
+def q4_scale_kernel(x, kind, group, scales):
+    """scales[r, g] = fp16 bits of absmax(x[r, g*G:(g+1)*G]) / 7; one thread per group."""
+    ng = scales.shape[1]
+    total = x.shape[0] * ng
+    for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+        r = i // ng
+        g = i % ng
+        amax = np.float32(0.0)
+        for j in range(group):
+            a = abs(_load(x[r, g * group + j], kind))
+            if a > amax:
+                amax = a
+        b = _f16_bits(amax / np.float32(7.0))
+        scales[r, g] = b - 65536 if b >= 32768 else b
+
+
+@cuda.jit
+def q4_pack_kernel(x, kind, group, scales, packed):
+    """packed[r, j] = code(x[r, 2j]) | code(x[r, 2j+1]) << 4 with the stored (rounded) scales;
+    one thread per byte. Run after q4_scale_kernel on the same stream."""
+    nb = packed.shape[1]
+    total = x.shape[0] * nb
+    for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+        r = i // nb
+        j = i % nb
+        d0 = 2 * j
+        s0 = _f16_value(int(scales[r, d0 // group]) & 0xFFFF)
+        s1 = _f16_value(int(scales[r, (d0 + 1) // group]) & 0xFFFF)
+        lo = _q4_code(_load(x[r, d0], kind), s0)
+        hi = _q4_code(_load(x[r, d0 + 1], kind), s1)
+        packed[r, j] = lo | (hi << 4)
+
+
+@cuda.jit
+def q4_dequant_f32_kernel(packed, scales, group, out):
+    """out[r, d] = (code - 8) * scale as float32; one thread per byte (two elements)."""
+    nb = packed.shape[1]
+    total = packed.shape[0] * nb
+    for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+        r = i // nb
+        j = i % nb
+        byte = int(packed[r, j])
+        d0 = 2 * j
+        out[r, d0] = np.float32((byte & 15) - 8) * _f16_value(int(scales[r, d0 // group]) & 0xFFFF)
+        out[r, d0 + 1] = np.float32((byte >> 4) - 8) * _f16_value(int(scales[r, (d0 + 1) // group]) & 0xFFFF)
+
+
+@cuda.jit
+def q4_dequant_16_kernel(packed, scales, group, kind, out):
+    """Same as q4_dequant_f32_kernel, out as int16 fp16 / bf16 bits."""
+    nb = packed.shape[1]
+    total = packed.shape[0] * nb
+    for i in range(cuda.grid(1), total, cuda.gridsize(1)):
+        r = i // nb
+        j = i % nb
+        byte = int(packed[r, j])
+        d0 = 2 * j
+        v0 = np.float32((byte & 15) - 8) * _f16_value(int(scales[r, d0 // group]) & 0xFFFF)
+        v1 = np.float32((byte >> 4) - 8) * _f16_value(int(scales[r, (d0 + 1) // group]) & 0xFFFF)
+        out[r, d0] = _encode16(v0, kind)
+        out[r, d0 + 1] = _encode16(v1, kind)
+
+
+KERNELS = (fp8_scale_kernel, fp8_quant_kernel, fp8_dequant_f32_kernel, fp8_dequant_16_kernel,
+           q4_scale_kernel, q4_pack_kernel, q4_dequant_f32_kernel, q4_dequant_16_kernel)
+
+
+# ---- launchers ----------------------------------------------------------------------------
+
+
+def _grid(total: int) -> int:
+    return max(1, min(MAX_BLOCKS, -(-total // THREADS)))
+
+
+def fp8_pack(x, kind, q, scale, stream=0) -> None:
+    """x [M, T, KVH, HD] (float32, or int16 bits of kind F16/BF16) -> q uint8 e4m3 bits (same
+    shape) and scale float32 [M, KVH] = absmax over (T, HD) / 448."""
+    m, _, kvh, _ = x.shape
+    if m == 0 or x.size == 0:
+        return
+    fp8_scale_kernel[(m, kvh), THREADS, stream](x, np.int32(kind), scale)
+    fp8_quant_kernel[_grid(x.size), THREADS, stream](x, np.int32(kind), scale, q)
+
+
+def fp8_unpack(q, scale, kind, out, stream=0) -> None:
+    """q uint8 [M, T, KVH, HD], scale [M, KVH] -> out (float32, or int16 bits of kind)."""
+    if q.size == 0:
+        return
+    if kind == F32:
+        fp8_dequant_f32_kernel[_grid(q.size), THREADS, stream](q, scale, out)
+    else:
+        fp8_dequant_16_kernel[_grid(q.size), THREADS, stream](q, scale, np.int32(kind), out)
+
+
+def q4_pack(x, kind, group, packed, scales, stream=0) -> None:
+    """x [R, HD] -> packed uint8 [R, HD // 2], scales int16 (fp16 bits) [R, HD // group]."""
+    if x.size == 0:
+        return
+    q4_scale_kernel[_grid(scales.size), THREADS, stream](x, np.int32(kind), np.int32(group), scales)
+    q4_pack_kernel[_grid(packed.size), THREADS, stream](x, np.int32(kind), np.int32(group), scales, packed)
+
+
+def q4_unpack(packed, scales, group, kind, out, stream=0) -> None:
+    """packed [R, HD // 2], scales (fp16 bits) [R, HD // group] -> out [R, HD]."""
+    if packed.size == 0:
+        return
+    if kind == F32:
+        q4_dequant_f32_kernel[_grid(packed.size), THREADS, stream](packed, scales, np.int32(group), out)
+    else:
+        q4_dequant_16_kernel[_grid(packed.size), THREADS, stream](
+            packed, scales, np.int32(group), np.int32(kind), out)

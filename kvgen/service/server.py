@@ -1,0 +1,127 @@
+"""`python -m kvgen.service.server`: serve kvgen.v1.Generator on PORT, metrics on METRICS_PORT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvgen.engine.generator import Generator
+from kvgen.service.config import Settings
+from kvgen.service.metrics import Metrics
+from kvgen.service.servicer import GeneratorServicer
+from kvgen.v1 import generate_pb2 as pb
+from kvgen.v1 import generate_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvgen.server")
+SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """With API_KEY set, every call but health and reflection needs `authorization: Bearer <key>`."""
+
+    def __init__(self, key: str):
+        self.expected = f"Bearer {key}"
+
+    async def intercept_service(self, continuation, details):
+        if details.method.startswith(_OPEN_METHODS):
+            return await continuation(details)
+        md = dict(details.invocation_metadata or ())
+        if md.get("authorization") == self.expected:
+            return await continuation(details)
+        handler = await continuation(details)
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization bearer token")
+
+        async def deny_stream(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization bearer token")
+            yield  # pragma: no cover
+
+        if handler is None:
+            return None
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
+
+
+class Server:
+    def __init__(self, settings: Settings, gen: Generator | None = None):
+        self.settings = settings
+        self._gen = gen  # tests hand in a ready engine
+        interceptors = [AuthInterceptor(settings.api_key)] if settings.api_key else []
+        self.grpc = grpc.aio.server(interceptors=interceptors)
+        self.servicer = GeneratorServicer()
+        pb_grpc.add_GeneratorServicer_to_server(self.servicer, self.grpc)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self.port = self.grpc.add_insecure_port(f"{settings.host}:{settings.port}")
+        self.metrics: Metrics | None = None
+        self.metrics_server = None
+        self._stopped = asyncio.Event()
+
+    async def _set_health(self, status) -> None:
+        for name in ("", SERVICE):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("listening on port %d; loading the model", self.port)
+        gen = self._gen or await asyncio.to_thread(Generator.load, self.settings.model or None, self.settings.engine)
+        self.servicer.gen = gen
+        if self.settings.metrics_port:
+            self.metrics = Metrics(gen)
+            gen.engine.on_step = lambda batch, seconds: self.metrics.sync()
+            self.metrics_server = self.metrics.serve(self.settings.metrics_port, self.settings.host)
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._reap_sessions())
+        log.info("serving %s on port %d (metrics on %s)", gen.cfg.name, self.port, self.settings.metrics_port)
+
+    async def _reap_sessions(self) -> None:
+        while True:
+            await asyncio.sleep(5)
+            self.servicer.expire_sessions()
+
+    async def drain(self) -> None:
+        """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period."""
+        log.info("draining (grace %.1fs)", self.settings.grace_s)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.servicer.draining = True
+        await self.grpc.stop(self.settings.grace_s)
+        if getattr(self, "_reaper", None):
+            self._reaper.cancel()
+        if self.servicer.gen:
+            await asyncio.to_thread(self.servicer.gen.close)
+        if self.metrics_server:
+            self.metrics_server[0].shutdown()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def serve(settings: Settings) -> None:
+    server = Server(settings)
+    loop = asyncio.get_running_loop()
+    draining = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: draining or draining.append(asyncio.ensure_future(server.drain())))
+    await server.start()
+    await server.wait()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(Settings.from_env()))
+
+
+if __name__ == "__main__":
+    main()

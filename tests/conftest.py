@@ -1,0 +1,115 @@
+"""Shared fixtures: the embedded model (loaded once), engines over it, servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+
+import grpc
+import pytest
+
+from kvgen.engine.generator import EngineOptions, Generator, load_model
+from kvgen.engine.loader import embedded_model_path
+from kvgen.service.config import Settings
+from kvgen.service.server import Server
+from kvgen.v1 import generate_pb2_grpc as pb_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def embedded():
+    """(model, tokenizer) of the embedded SmolLM2 GGUF, fp32."""
+    return load_model(embedded_model_path(), "fp32")
+
+
+@pytest.fixture(scope="session")
+def gen(embedded):
+    g = Generator(*embedded, EngineOptions())
+    yield g
+    g.close()
+
+
+@pytest.fixture
+def make_gen(embedded):
+    """Engines with their own options over the shared model; closed after the test."""
+    made = []
+
+    def make(**options) -> Generator:
+        g = Generator(*embedded, EngineOptions(**options))
+        made.append(g)
+        return g
+
+    yield make
+    for g in made:
+        g.close()
+
+
+class ServerThread:
+    """A real kvgen server (grpc.aio) on its own event loop thread, bound to loopback."""
+
+    def __init__(self, gen: Generator | None, **settings):
+        self.settings = Settings(host="127.0.0.1", port=0, metrics_port=free_port(), grace_s=5.0, **settings)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+        async def start():
+            server = Server(self.settings, gen)
+            await server.start()
+            return server
+
+        self.server = self.run(start())
+        self.port = self.server.port
+        self.target = f"127.0.0.1:{self.port}"
+
+    def run(self, coro, timeout=120):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def gen(self) -> Generator:
+        return self.server.servicer.gen
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.target)
+
+    def stop(self) -> None:
+        self.run(self.server.drain())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def server(embedded):
+    s = ServerThread(Generator(*embedded, EngineOptions()))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def stub(server):
+    ch = server.channel()
+    yield pb_grpc.GeneratorStub(ch)
+    ch.close()
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """transformers' own loading of the same GGUF, fp32: the correctness oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = embedded_model_path()
+    folder, name = os.path.split(path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return model, tok
