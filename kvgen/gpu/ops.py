@@ -25,6 +25,7 @@ A decode step, with seq_lens[b] = tokens already cached for row b (-1 for paddin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import pathlib
@@ -299,16 +300,31 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # pack.F32 / F16 / BF16
 
 
+def _numba_simulated() -> bool:
+    try:
+        from numba.cuda import config
+    except ImportError:  # numba's built-in CUDA target
+        from numba import config
+    return bool(config.ENABLE_CUDASIM)
+
+
 def _numba_env(t: torch.Tensor):
-    """(numba.cuda, the torch current stream as a Numba stream, device context)."""
+    """(numba.cuda, the torch current stream as a Numba stream, device context). Under Numba's
+    CUDA simulator (NUMBA_ENABLE_CUDASIM=1) CPU tensors are accepted, which is how CI runs
+    these wrappers without a GPU."""
     from numba import cuda
 
+    if t.device.type == "cpu" and _numba_simulated():
+        return cuda, 0, contextlib.nullcontext()
     dev = _device_index(t)
     return cuda, cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream), cuda.gpus[dev]
 
 
 def _nb(cuda, t: torch.Tensor):
-    return cuda.as_cuda_array(_raw(t))  # zero-copy through __cuda_array_interface__
+    raw = _raw(t)
+    if raw.device.type == "cpu":  # simulator only (see _numba_env): numpy view, same memory
+        return raw.numpy()
+    return cuda.as_cuda_array(raw)  # zero-copy through __cuda_array_interface__
 
 
 def _out(t: torch.Tensor | None, shape, dtype, like: torch.Tensor) -> torch.Tensor:

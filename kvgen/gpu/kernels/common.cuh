@@ -146,6 +146,17 @@ KVG_HD u32 kvg_q4_code(float x, float s) {
   return (u32)((int)r + 8);
 }
 
+// ---- flash-decode work split ------------------------------------------------------------
+// Tokens [*t0, *t1) of split `split` out of num_splits for a sequence of len tokens in
+// blocks of bs: every split gets the same number of whole cache blocks (the last ones may
+// get fewer or none, then *t0 >= *t1), so a split never shares a cache block with another.
+KVG_HD void kvg_split_range(int len, int bs, int num_splits, int split, int* t0, int* t1) {
+  const int nblk = len > 0 ? (len + bs - 1) / bs : 0;
+  const int per = (nblk + num_splits - 1) / num_splits;  // cache blocks per split
+  *t0 = split * per * bs;
+  *t1 = len < *t0 + per * bs ? len : *t0 + per * bs;
+}
+
 // ---- typed loads / stores of raw element bits -------------------------------------------
 template <int T>
 KVG_HD float kvg_load(const void* p, i64 i) {

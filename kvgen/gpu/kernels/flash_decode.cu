@@ -93,10 +93,8 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
   // This split's token range [t0, t1): whole cache blocks, the same count for every split.
   int len = a.context_lens[b] + a.len_offset;
   len = min(len, a.max_blocks * a.BS);  // never read past the block table
-  const int nblk = len > 0 ? (len + a.BS - 1) / a.BS : 0;
-  const int per = (nblk + a.num_splits - 1) / a.num_splits;
-  const int t0 = split * per * a.BS;
-  const int t1 = min(len, t0 + per * a.BS);
+  int t0, t1;
+  kvg_split_range(len, a.BS, a.num_splits, split, &t0, &t1);
 
   float qr[KVG_FD_MAX_G][DPL];
   float m[KVG_FD_MAX_G], l[KVG_FD_MAX_G], acc[KVG_FD_MAX_G][DPL];

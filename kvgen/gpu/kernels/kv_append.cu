@@ -66,9 +66,9 @@ __device__ void kvg_append_plain(const AppendArgs& a) {
 
 // ---- fp8: one scale per (block, layer, k|v, kv head), grown on write -------------------
 // new_scale = max(old_scale, absmax(row) / 448), old_scale taken as 0 at offset 0. When the
-// scale grows, the rows already in the block (offsets < off) are requantised with it
+// scale grows, the rows already in the block are requantised with it
 // (dequantise with the old scale, quantise with the new) so they stay decodable with the
-// single per-block scale. Same float32 operations as the torch reference (bit-exact).
+// single per-block scale. Same float32 operations as Fp8Format.write (bit-exact).
 template <int IT>
 __device__ void kvg_append_fp8(const AppendArgs& a) {
   __shared__ float scratch[32];
@@ -89,11 +89,15 @@ __device__ void kvg_append_fp8(const AppendArgs& a) {
   const float new_scale = fmaxf(old_scale, amax / KVG_FP8_MAX);
 
   if (off > 0 && new_scale > old_scale) {
-    // Rows 0..off-1 of this head: [off, HD] elements, KVH * HD apart from row to row.
+    // Every other row of this head in the block, like Fp8Format.write (rows past `off` hold
+    // nothing live, but requantising them too keeps the store byte-identical to the
+    // reference). Rows are KVH * HD elements apart; row `off` is written below.
     const i64 row0 = kvg_row(a, blk, kv, 0, kvh, a.HD);
     const i64 row_stride = (i64)a.KVH * a.HD;
-    for (int i = threadIdx.x; i < off * a.HD; i += blockDim.x) {
-      const i64 p = row0 + (i64)(i / a.HD) * row_stride + i % a.HD;
+    for (int i = threadIdx.x; i < a.BS * a.HD; i += blockDim.x) {
+      const int r = i / a.HD;
+      if (r == off) continue;
+      const i64 p = row0 + (i64)r * row_stride + i % a.HD;
       cache[p] = kvg_fp8_quantize(kvg_e4m3_to_f32(cache[p]) * old_scale, new_scale);
     }
   }

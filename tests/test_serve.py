@@ -1,0 +1,96 @@
+"""The README's `make serve`, and graceful shutdown of the real server process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvgen.client import Client
+from kvgen.v1 import generate_pb2 as pb
+
+from .conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    with grpc.insecure_channel(target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError("server never became SERVING")
+
+
+def start(cmd: list[str], **env) -> tuple[subprocess.Popen, str, int]:
+    port, metrics = free_port(), free_port()
+    e = {**os.environ, "PORT": str(port), "METRICS_PORT": str(metrics), **env}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    target = f"127.0.0.1:{port}"
+    wait_serving(target, proc)
+    return proc, target, metrics
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(10)
+
+
+def test_make_serve_streams_tokens():
+    proc, target, metrics = start(["make", "serve"])
+    try:
+        client = Client(target)
+        msgs = list(client.stream("The capital of France is", max_new_tokens=8, temperature=0.0))
+        assert "".join(m.text for m in msgs).startswith(" Paris")
+        assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        page = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
+        assert "kvgen_kv_blocks_total" in page
+        client.close()
+    finally:
+        stop_group(proc)
+
+
+def test_sigterm_drains_in_flight_streams():
+    proc, target, _ = start([sys.executable, "-m", "kvgen.service.server"], GRACE_S="30")
+    try:
+        client = Client(target)
+        got: dict = {}
+
+        def long_stream():
+            msgs = list(client.stream("Once upon a time", max_new_tokens=60, ignore_eos=True, temperature=0.0))
+            got["tokens"] = sum(len(m.token_ids) for m in msgs)
+            got["reason"] = msgs[-1].finish_reason
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        time.sleep(1.5)  # the stream is running
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as e:  # a call after SIGTERM is refused
+            client.generate("hi", max_new_tokens=1, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        t.join(60)
+        assert got == {"tokens": 60, "reason": pb.FINISH_REASON_LENGTH}  # the in-flight one finished
+        assert proc.wait(30) == 0
+        client.close()
+    finally:
+        stop_group(proc)
