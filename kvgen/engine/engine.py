@@ -95,15 +95,9 @@ class Engine:
                     self._cv.wait()
                 if self._stop:
                     return
-                cancelled, self._cancelled = self._cancelled, []
                 calls, self._calls = self._calls, []
             for fn in calls:
                 fn()
-            for seq in cancelled:
-                if not seq.finished:
-                    with self._cv:
-                        self.scheduler.drop(seq)
-                    self._retire(seq, FinishReason.CANCELLED)
             try:
                 self.step()
             except Exception as e:  # a broken step must not hang every stream
@@ -115,7 +109,18 @@ class Engine:
                 for seq in seqs:
                     self._retire(seq, FinishReason.ABORTED, error=e)
 
+    def _drop_cancelled(self) -> None:
+        with self._cv:
+            cancelled, self._cancelled = self._cancelled, []
+            for seq in cancelled:
+                self.scheduler.drop(seq)
+        for seq in cancelled:
+            if not seq.finished:
+                self._retire(seq, FinishReason.CANCELLED)
+
     def step(self) -> None:
+        """One forward pass over everything scheduled (cancelled sequences leave first)."""
+        self._drop_cancelled()
         with self._cv:
             batch = self.scheduler.schedule()
         if not batch:

@@ -1,0 +1,268 @@
+"""Tiny random Llama-family models for fast tests (weights under HF names, float32)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.engine.config import ModelConfig
+
+
+def tiny_config(arch: str = "llama", vocab: int = 49152, layers: int = 2, hidden: int = 64, heads: int = 4,
+                kv_heads: int = 2, ffn: int = 128, context: int = 2048) -> ModelConfig:
+    return ModelConfig(architecture=arch, name=f"tiny-{arch}", vocab_size=vocab, hidden_size=hidden,
+                       intermediate_size=ffn, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                       head_dim=hidden // heads, context_length=context, rms_norm_eps=1e-5, rope_theta=10000.0,
+                       tie_word_embeddings=True, qkv_bias=arch == "qwen2", bos_token_id=1, eos_token_ids=[2])
+
+
+def tiny_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.08):
+        return torch.randn(*shape, generator=g) * scale
+
+    h, d = cfg.hidden_size, cfg.head_dim
+    w = {"model.embed_tokens.weight": rand(cfg.vocab_size, h, scale=0.5),
+         "model.norm.weight": 1 + rand(h, scale=0.1)}
+    if not cfg.tie_word_embeddings:
+        w["lm_head.weight"] = rand(cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = 1 + rand(h, scale=0.1)
+        w[p + "post_attention_layernorm.weight"] = 1 + rand(h, scale=0.1)
+        w[p + "self_attn.q_proj.weight"] = rand(cfg.num_heads * d, h)
+        w[p + "self_attn.k_proj.weight"] = rand(cfg.num_kv_heads * d, h)
+        w[p + "self_attn.v_proj.weight"] = rand(cfg.num_kv_heads * d, h)
+        w[p + "self_attn.o_proj.weight"] = rand(h, cfg.num_heads * d)
+        w[p + "mlp.gate_proj.weight"] = rand(cfg.intermediate_size, h)
+        w[p + "mlp.up_proj.weight"] = rand(cfg.intermediate_size, h)
+        w[p + "mlp.down_proj.weight"] = rand(h, cfg.intermediate_size)
+        if cfg.qkv_bias:
+            for n, size in (("q", cfg.num_heads * d), ("k", cfg.num_kv_heads * d), ("v", cfg.num_kv_heads * d)):
+                w[p + f"self_attn.{n}_proj.bias"] = rand(size)
+    return w
+
+
+# --- on-disk tiny models: a byte-level BPE, an HF folder, a GGUF (used by test_loader.py) ---
+
+TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TINY_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today? I'm fine, thanks.",
+    "def add(a, b):\n    return a + b\n",
+    "Les chats et les chiens sont amis. café naïve",
+    "numbers 123 4567 89, and the year 2024",
+]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")  # Qwen2's tokenizer.json
+
+
+def tiny_bpe_tokenizer(vocab_size: int = 300, style: str = "gpt2"):
+    """A byte-level BPE trained on a few sentences; specials get ids 0, 1, 2. style "gpt2": GPT-2's
+    ByteLevel split; "qwen2": NFC + Qwen2's split regex, as in Qwen2's tokenizer.json (transformers 5
+    rebuilds a qwen2 model's tokenizer with those whatever tokenizer.json says)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if style == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=TINY_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TINY_CORPUS * 4, trainer)
+    return tok
+
+
+_HF_ARCH_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralForCausalLM", "mistral"),
+                  "qwen2": ("Qwen2ForCausalLM", "qwen2")}
+
+
+def write_hf_folder(folder, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer,
+                    chat_template: str = CHATML_TEMPLATE) -> None:
+    """config.json + model.safetensors + tokenizer.json + tokenizer_config.json, as HF writes them."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    arch_name, model_type = _HF_ARCH_NAMES[cfg.architecture]
+    hf = {
+        "architectures": [arch_name], "model_type": model_type, "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta, "hidden_act": "silu", "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids if len(cfg.eos_token_ids) > 1
+        else cfg.eos_token_ids[0], "torch_dtype": "float32", "use_cache": True,
+    }
+    if cfg.architecture == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    if cfg.architecture == "qwen2":
+        hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=cfg.num_layers)
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    tc = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": chat_template,
+          "bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+          "model_max_length": cfg.context_length, "clean_up_tokenization_spaces": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(tc, indent=2))
+
+
+# K-quants, written from llama.cpp's reference layout (ggml-quants.c, quantize_row_q{4,6}_K_ref),
+# independently of gguf-py's dequantizers (gguf-py has no quantizer for them).
+
+def quantize_q4_k(x):
+    import numpy as np
+
+    b = np.asarray(x, dtype=np.float32).reshape(-1, 8, 32)  # super-blocks of 8 x 32
+    n = b.shape[0]
+    lo = np.minimum(b.min(-1), 0.0)
+    scales, mins = (b.max(-1) - lo) / 15.0, -lo
+    max_scale, max_min = scales.max(-1, keepdims=True), mins.max(-1, keepdims=True)
+    inv_s = np.divide(63.0, max_scale, out=np.zeros_like(max_scale), where=max_scale > 0)
+    inv_m = np.divide(63.0, max_min, out=np.zeros_like(max_min), where=max_min > 0)
+    ls = np.clip(np.round(inv_s * scales), 0, 63).astype(np.uint8)
+    lm = np.clip(np.round(inv_m * mins), 0, 63).astype(np.uint8)
+    d = (max_scale[:, 0] / 63.0).astype(np.float16)
+    dmin = (max_min[:, 0] / 63.0).astype(np.float16)
+    de = d.astype(np.float32)[:, None] * ls
+    me = dmin.astype(np.float32)[:, None] * lm
+    q = np.divide(b + me[..., None], de[..., None], out=np.zeros_like(b), where=de[..., None] > 0)
+    L = np.clip(np.round(q), 0, 15).astype(np.uint8)
+    sc = np.empty((n, 12), np.uint8)
+    sc[:, 0:4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    sc[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    sc[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    L = L.reshape(n, 4, 2, 32)  # 64-value chunks: low nibbles = first 32, high = next 32
+    qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(n, 128)
+    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), sc, qs], axis=1)
+    return blocks.reshape(*np.shape(x)[:-1], np.shape(x)[-1] // 256 * 144)
+
+
+def quantize_q6_k(x):
+    import numpy as np
+
+    b = np.asarray(x, dtype=np.float32).reshape(-1, 16, 16)  # super-blocks of 16 x 16
+    n = b.shape[0]
+    amax = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)[..., 0]  # signed
+    scales = -amax / 32.0
+    max_scale = np.take_along_axis(scales, np.abs(scales).argmax(-1)[:, None], -1)
+    iscale = np.divide(-128.0, max_scale, out=np.zeros_like(max_scale), where=max_scale != 0)
+    d = np.divide(1.0, iscale, out=np.zeros_like(iscale), where=iscale != 0)[:, 0].astype(np.float16)
+    sc = np.clip(np.round(iscale * scales), -128, 127).astype(np.int8)
+    de = d.astype(np.float32)[:, None] * sc
+    q = np.divide(b, de[..., None], out=np.zeros_like(b), where=de[..., None] != 0)
+    L = (np.clip(np.round(q), -32, 31) + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # 128-value halves
+    ql = np.concatenate([(L[:, :, 0] & 0xF) | ((L[:, :, 2] & 0xF) << 4),
+                         (L[:, :, 1] & 0xF) | ((L[:, :, 3] & 0xF) << 4)], axis=2).reshape(n, 128)
+    qh = ((L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4)
+          | ((L[:, :, 3] >> 4) << 6)).reshape(n, 64)
+    blocks = np.concatenate([ql, qh, sc.view(np.uint8), d.view(np.uint8).reshape(n, 2)], axis=1)
+    return blocks.reshape(*np.shape(x)[:-1], np.shape(x)[-1] // 256 * 210)
+
+
+def gguf_quantize(array, qtype):
+    """gguf.quants.quantize, plus the K-quants gguf-py cannot write."""
+    import gguf
+
+    if qtype == gguf.GGMLQuantizationType.Q4_K:
+        return quantize_q4_k(array)
+    if qtype == gguf.GGMLQuantizationType.Q6_K:
+        return quantize_q6_k(array)
+    return gguf.quants.quantize(array, qtype)
+
+
+def llama_cpp_permute(w, n_head: int):
+    """convert_hf_to_gguf.py's LlamaModel.permute: interleave the rotary halves of q/k rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+               "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+               "self_attn.v_proj.bias": "attn_v.bias",
+               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+               "mlp.down_proj.weight": "ffn_down.weight"}
+
+
+def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer, qtype=None,
+               chat_template: str | None = CHATML_TEMPLATE, arch: str | None = None) -> None:
+    """A GGUF as llama.cpp's converter writes one: metadata, gpt2 tokenizer, permuted q/k (llama),
+    2-D weights in `qtype` (default F32), 1-D tensors in F32."""
+    import json
+
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType.F32 if qtype is None else qtype
+    arch = arch or cfg.architecture
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(cfg.name)
+    p = arch + "."
+    w.add_uint32(p + "block_count", cfg.num_layers)
+    w.add_uint32(p + "context_length", cfg.context_length)
+    w.add_uint32(p + "embedding_length", cfg.hidden_size)
+    w.add_uint32(p + "feed_forward_length", cfg.intermediate_size)
+    w.add_uint32(p + "attention.head_count", cfg.num_heads)
+    w.add_uint32(p + "attention.head_count_kv", cfg.num_kv_heads)
+    w.add_float32(p + "rope.freq_base", cfg.rope_theta)
+    w.add_float32(p + "attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    w.add_uint32(p + "vocab_size", cfg.vocab_size)
+    w.add_uint32(p + "rope.dimension_count", cfg.head_dim)
+    tj = json.loads(tokenizer.to_str())
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["id"] for t in tj["added_tokens"] if t["special"]}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    if cfg.bos_token_id is not None:
+        w.add_bos_token_id(cfg.bos_token_id)
+    w.add_eos_token_id(cfg.eos_token_ids[0])
+    w.add_add_bos_token(False)
+    if chat_template:
+        w.add_chat_template(chat_template)
+    for name, t in weights.items():
+        a = t.float().numpy()
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            gname = f"blk.{i}.{_GGUF_NAMES[rest]}"
+            if arch == "llama" and rest.startswith("self_attn.q_proj."):
+                a = llama_cpp_permute(a, cfg.num_heads)
+            elif arch == "llama" and rest.startswith("self_attn.k_proj."):
+                a = llama_cpp_permute(a, cfg.num_kv_heads)
+        else:
+            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}[name]
+        a = np.ascontiguousarray(a)
+        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            data = gguf_quantize(a, qtype)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
