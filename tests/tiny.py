@@ -55,7 +55,8 @@ TINY_CORPUS = [
 ]
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -152,7 +153,8 @@ def quantize_q4_k(x):
     sc[:, 8:12] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
     L = L.reshape(n, 4, 2, 32)  # 64-value chunks: low nibbles = first 32, high = next 32
     qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(n, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2), sc, qs], axis=1)
+    head = [d.view(np.uint8).reshape(n, 2), dmin.view(np.uint8).reshape(n, 2)]
+    blocks = np.concatenate([*head, sc, qs], axis=1)
     return blocks.reshape(*np.shape(x)[:-1], np.shape(x)[-1] // 256 * 144)
 
 
@@ -194,7 +196,8 @@ def llama_cpp_permute(w, n_head: int):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-_GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+_GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight",
+               "post_attention_layernorm.weight": "ffn_norm.weight",
                "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
                "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
                "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
@@ -254,8 +257,8 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokeniz
             elif arch == "llama" and rest.startswith("self_attn.k_proj."):
                 a = llama_cpp_permute(a, cfg.num_kv_heads)
         else:
-            gname = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                     "lm_head.weight": "output.weight"}[name]
+            gname = {"model.embed_tokens.weight": "token_embd.weight",
+                     "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
         a = np.ascontiguousarray(a)
         if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
             data = gguf_quantize(a, qtype)

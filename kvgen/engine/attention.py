@@ -26,6 +26,9 @@ class Step:
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     logits_rows: torch.Tensor  # [B] row of each sequence's last new token
     is_decode: bool  # every sequence has exactly one new token
+    kv_starts: list[int] | None = None  # position of each table's first key (blocks before it freed)
+    window: int = 0  # sliding window: a query sees the last `window` positions (0 = all)
+    chunk: int = 0  # chunked attention: a query sees its own chunk of `chunk` positions (0 = off)
 
     @property
     def num_seqs(self) -> int:
@@ -39,19 +42,31 @@ def attend(q: torch.Tensor, fmt: KVFormat, store: dict, layer: int, step: Step) 
     out = []
     start = 0
     for i, (n, ctx) in enumerate(zip(step.query_lens, step.context_lens, strict=True)):
-        n_blocks = -(-ctx // fmt.block_size)
-        k, v = fmt.read(store, layer, step.block_tables[i, :n_blocks])
-        k = k.reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:ctx].transpose(0, 1)  # [KVH, L, D]
-        v = v.reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:ctx].transpose(0, 1)
+        k0 = step.kv_starts[i] if step.kv_starts else 0
+        n_keys = ctx - k0
+        k, v = fmt.read(store, layer, step.block_tables[i, : -(-n_keys // fmt.block_size)])
+        k = k.reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:n_keys].transpose(0, 1)  # [KVH, L, D]
+        v = v.reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:n_keys].transpose(0, 1)
         qi = q[start:start + n].transpose(0, 1)  # [H, n, D]
-        if n == ctx:
+        if n == ctx and not (step.window or step.chunk):
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=True)
-        else:  # a chunk after cached tokens: query i sees keys up to ctx - n + i
-            mask = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+        else:
+            mask = visible(torch.arange(ctx - n, ctx), torch.arange(k0, ctx), step)
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
         out.append(o.transpose(0, 1))
         start += n
     return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, step: Step) -> torch.Tensor:
+    """[..., nq, nk] bool: which keys each query may attend to (causal, window, chunk)."""
+    qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
+    mask = kp <= qp
+    if step.window:
+        mask &= kp > qp - step.window
+    if step.chunk:
+        mask &= kp >= qp - qp % step.chunk
+    return mask
 
 
 def _decode(q, fmt, store, layer, step):
@@ -59,17 +74,22 @@ def _decode(q, fmt, store, layer, step):
     # and let each KV head serve its whole group of query heads (GQA without copies).
     B, H, D = q.shape
     kvh = fmt.num_kv_heads
-    max_ctx = max(step.context_lens)
-    n_blocks = -(-max_ctx // fmt.block_size)
-    table = step.block_tables[:, :n_blocks]
+    starts = step.kv_starts or [0] * B
+    n_keys = [c - s for c, s in zip(step.context_lens, starts, strict=True)]
+    max_keys = max(n_keys)
+    table = step.block_tables[:, : -(-max_keys // fmt.block_size)]
     k, v = fmt.read(store, layer, table.reshape(-1))
-    k = k.reshape(B, -1, kvh, D)[:, :max_ctx].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-    v = v.reshape(B, -1, kvh, D)[:, :max_ctx].transpose(1, 2)  # [B, KVH, L, D]
+    k = k.reshape(B, -1, kvh, D)[:, :max_keys].permute(0, 2, 3, 1)  # [B, KVH, D, L]
+    v = v.reshape(B, -1, kvh, D)[:, :max_keys].transpose(1, 2)  # [B, KVH, L, D]
     qg = q.view(B, kvh, H // kvh, D)
     scores = torch.matmul(qg, k.to(q.dtype)) * (1.0 / math.sqrt(D))  # [B, KVH, G, L]
-    if B > 1 and min(step.context_lens) < max_ctx:
-        lens = torch.tensor(step.context_lens)
-        pad = torch.arange(max_ctx)[None, :] >= lens[:, None]
+    if step.window or step.chunk:
+        k_pos = torch.tensor(starts)[:, None] + torch.arange(max_keys)[None, :]
+        q_pos = torch.tensor(step.context_lens)[:, None] - 1
+        keep = visible(q_pos, k_pos, step)[:, 0] & (k_pos < torch.tensor(step.context_lens)[:, None])
+        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    elif B > 1 and min(n_keys) < max_keys:
+        pad = torch.arange(max_keys)[None, :] >= torch.tensor(n_keys)[:, None]
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v.to(q.dtype)).view(B, H, D)

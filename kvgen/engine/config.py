@@ -24,3 +24,4 @@ class ModelConfig:
     qkv_bias: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    sliding_window: int | None = None  # Mistral-style: attend to the last N positions

@@ -23,8 +23,10 @@ log = logging.getLogger("kvgen.engine")
 
 
 class Engine:
-    def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler):
+    def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler, window: int = 0, chunk: int = 0):
         self.model = model
+        self.window = window  # sliding-window attention: blocks behind the window are freed
+        self.chunk = chunk  # chunked attention: blocks of finished chunks are freed
         self.pool = pool
         self.scheduler = scheduler
         self._cv = threading.Condition()
@@ -34,12 +36,16 @@ class Engine:
         self._calls: list = []
         self.steps = 0
         self.on_step = None  # fn(batch, seconds): metrics and tracing hook
+        self.on_submit = None  # fn(seq), caller's thread, before the engine sees seq: tracing
+        self.on_release = None  # fn(seq), engine thread, once seq's KV is let go: metrics, tracing
 
     # called from any thread
 
     def submit(self, seq: Sequence) -> None:
         with self._cv:
             self.scheduler.add(seq)
+            if self.on_submit:
+                self.on_submit(seq)
             self._cv.notify()
 
     def cancel(self, seq: Sequence) -> None:
@@ -127,7 +133,7 @@ class Engine:
             time.sleep(0.001)  # blocked on KV room; finished sequences will make some
             return
         t0 = time.perf_counter()
-        ids, positions, blocks, offsets, qlens, ctx, rows, tables = [], [], [], [], [], [], [], []
+        ids, positions, blocks, offsets, qlens, ctx, rows, tables, starts = [], [], [], [], [], [], [], [], []
         row = -1
         for seq, n in batch:
             start = seq.cache.length
@@ -142,7 +148,8 @@ class Engine:
             ctx.append(start + n)
             row += n
             rows.append(row)
-            tables.append(seq.cache.blocks)
+            tables.append(seq.cache.live_blocks)
+            starts.append(seq.cache.kv_start)
         width = max(len(t) for t in tables)
         step = Step(
             positions=torch.cat(positions),
@@ -153,10 +160,15 @@ class Engine:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
             logits_rows=torch.tensor(rows),
             is_decode=all(n == 1 for n in qlens),
+            kv_starts=starts if any(starts) else None,
+            window=self.window,
+            chunk=self.chunk,
         )
         logits = self.model.forward(torch.tensor(ids), step, self.pool.fmt, self.pool.store)
         for seq, n in batch:
             seq.cache.advance(n)
+            if self.window or self.chunk:
+                seq.cache.drop_before(self._oldest_needed(seq.cache.length))
         ready = [i for i, (seq, _) in enumerate(batch) if seq.pending == 0]
         if ready:
             seqs = [batch[i][0] for i in ready]
@@ -176,6 +188,15 @@ class Engine:
         if self.on_step:
             self.on_step(batch, time.perf_counter() - t0)
 
+    def _oldest_needed(self, next_pos: int) -> int:
+        """The oldest position a query at next_pos or later can still attend to."""
+        lo = 0
+        if self.window:
+            lo = max(lo, next_pos - self.window + 1)
+        if self.chunk:
+            lo = max(lo, next_pos - next_pos % self.chunk)
+        return lo
+
     def _retire(self, seq: Sequence, reason: FinishReason, error: Exception | None = None) -> None:
         seq.finish(reason, error=error)
         self._release(seq)
@@ -185,4 +206,6 @@ class Engine:
             seq.cache.free()
         else:
             seq.session.keep(seq)
+        if self.on_release:
+            self.on_release(seq)
         seq.done.set()

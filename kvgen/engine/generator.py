@@ -73,6 +73,8 @@ class EngineOptions:
     max_waiting: int = 256
     session_ttl_s: float = 600
     threads: int = 0  # 0 = every core
+    attention_window: int = 0  # sliding-window attention (0: the model's own, if any)
+    attention_chunk: int = 0  # chunked attention: each query sees only its own chunk
 
 
 class Generator:
@@ -88,7 +90,8 @@ class Generator:
                           compute_dtype=model.act_dtype)
         self.pool = BlockPool.from_budget(fmt, opts.kv_cache_mb)
         self.scheduler = Scheduler(opts.token_budget, opts.max_running, opts.max_waiting, reclaim=self._reclaim)
-        self.engine = Engine(model, self.pool, self.scheduler)
+        window = opts.attention_window or cfg.sliding_window or 0
+        self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk)
         self.sessions: dict[str, InferenceSession] = {}
         self._sessions_lock = threading.Lock()
         self.engine.start()

@@ -103,7 +103,7 @@ def _load_gguf(path: str):
         elif t.name in _GGUF_TOP_NAMES:
             name = _GGUF_TOP_NAMES[t.name]
         elif t.name == "rope_freqs.weight":
-            continue  # llama3 rope factors; we compute them from the config
+            name = "rope_freqs"  # llama3-style per-frequency RoPE divisors, precomputed by the converter
         else:
             raise ValueError(f"unexpected tensor {t.name} in {path}")
         weights[name] = w
@@ -123,6 +123,8 @@ def _load_gguf(path: str):
         context_length=int(_field(reader, p + "context_length", 2048)),
         rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
+        rope_scaling={"rope_type": "factors", "factors": weights.pop("rope_freqs")} if "rope_freqs" in weights
+        else None,
         tie_word_embeddings="lm_head.weight" not in weights,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -151,6 +153,7 @@ def _load_hf(folder: Path):
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
     n_head = hf["num_attention_heads"]
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 saves theta and scaling here
     eos = hf.get("eos_token_id")
     eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
     tie = hf.get("tie_word_embeddings", "lm_head.weight" not in weights)
@@ -166,11 +169,13 @@ def _load_hf(folder: Path):
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_head,
         context_length=hf.get("max_position_embeddings", 2048),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0),
-        rope_scaling=hf.get("rope_scaling"),
+        rope_theta=hf.get("rope_theta") or rope.get("rope_theta", 10000.0),
+        rope_scaling=hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                                else None),
         tie_word_embeddings=bool(tie),
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[int(x) for x in eos_ids],
+        sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
     )
     return cfg, weights, {"folder": folder}

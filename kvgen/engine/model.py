@@ -12,41 +12,72 @@ import torch.nn.functional as F
 from kvgen.engine.attention import Step, attend
 from kvgen.engine.config import ModelConfig
 
-WEIGHT_DTYPES = ("fp32", "bf16", "int8")
+WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+INT4_GROUP = 32  # GGUF Q4_0/Q4_1 group size: a Q4_1 file's weights fit this format nearly exactly
+SMALL_M = 16  # rows up to which the packed int8/int4 kernels beat dequantize + matmul
 
 
 class Linear:
-    """y = x W^T (+ b), with W stored as fp32, bf16, or int8 with a scale per output row."""
+    """y = x W^T (+ b), W stored as fp32, bf16, int8 (scale per output row) or int4 (asymmetric
+    groups of 32 along the input, torch's CPU int4pack layout)."""
 
     def __init__(self, w: torch.Tensor, b: torch.Tensor | None, dtype: str):
         self.dtype = dtype
         self.b = b
+        self.out_features = w.shape[0]
         if dtype == "int8":
             scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
             self.w = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
             self.scale = scale.float()
+        elif dtype == "int4":
+            n, k = w.shape
+            g = w.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
+            lo, hi = g.amin(-1), g.amax(-1)
+            scale = ((hi - lo) / 15).clamp_min(1e-10)
+            q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+            self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            # the kernel computes (q - 8) * scale + zero
+            self.scale = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous()
+            self._q, self._lo, self._step = q.to(torch.uint8), lo, scale  # for large-M dequantize
         else:
             self.w = w.to(torch.bfloat16 if dtype == "bf16" else torch.float32).contiguous()
 
+    def dequantized(self) -> torch.Tensor:
+        if self.dtype == "int8":
+            return self.w.float() * self.scale[:, None]
+        if self.dtype == "int4":
+            n, k = self._q.shape
+            g = self._q.reshape(n, k // INT4_GROUP, INT4_GROUP).float()
+            return (g * self._step[..., None] + self._lo[..., None]).reshape(n, k)
+        return self.w
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dtype in ("fp32", "bf16"):
+            return F.linear(x, self.w, self.b)
+        if x.shape[0] > SMALL_M:  # prefill: one dequantize per call beats the packed kernels here
+            return F.linear(x, self.dequantized(), self.b)
         if self.dtype == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
-            return y if self.b is None else y + self.b
-        return F.linear(x, self.w, self.b)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, INT4_GROUP, self.scale)
+        return y if self.b is None else y + self.b
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 as the reference implementations do, whatever the activation dtype.
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    return F.rms_norm(x, w.shape, w, eps)
 
 
 def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.head_dim))
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
         inv_freq = _llama3_scaling(inv_freq, scaling)
+    elif kind == "factors":  # a GGUF's rope_freqs tensor: the same llama3 divisors, precomputed
+        inv_freq = inv_freq / scaling["factors"].float()
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported RoPE scaling {kind!r}")
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
     return angles.cos(), angles.sin()
@@ -109,13 +140,14 @@ class Model:
         T = input_ids.shape[0]
         cos = self.cos[step.positions].unsqueeze(1).to(self.act_dtype)
         sin = self.sin[step.positions].unsqueeze(1).to(self.act_dtype)
+        nq, nkv = cfg.num_heads, cfg.num_kv_heads
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
-            q, k, v = layer.qkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = apply_rope(q.view(T, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rope(k.view(T, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            fmt.write(store, i, step.write_blocks, step.write_offsets, k, v.view(T, cfg.num_kv_heads, cfg.head_dim))
+            qkv = layer.qkv(x).view(T, -1, cfg.head_dim)
+            qk = apply_rope(qkv[:, :nq + nkv], cos, sin)  # q and k heads rotate in one go
+            q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
+            fmt.write(store, i, step.write_blocks, step.write_offsets, k, v)
             a = attend(q, fmt, store, i, step)
             h = h + layer.o(a.reshape(T, self.q_size))
             x = rms_norm(h, layer.ln2, cfg.rms_norm_eps)

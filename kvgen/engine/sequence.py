@@ -76,6 +76,8 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.admitted_at: float | None = None
         self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -130,7 +132,8 @@ class Sequence:
         ev.matched_stop = matched
         ev.error = error
         ev.usage = Usage(len(self.prompt_ids), len(self.output_ids), self.cached_tokens)
-        end = time.perf_counter()
+        end = self.finished_at = time.perf_counter()
+        self.finish_reason = reason
         ev.timings = {
             "queue_ms": ((self.admitted_at or end) - self.arrival) * 1e3,
             "time_to_first_token_ms": ((self.first_token_at or end) - self.arrival) * 1e3,

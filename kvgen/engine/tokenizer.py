@@ -44,8 +44,9 @@ class TextTokenizer:
     """encode / decode / chat template; ids are plain lists of ints."""
 
     def __init__(self, tok: Tokenizer, chat_template: str | None, bos_id: int | None, add_bos: bool,
-                 special_ids: set[int]):
+                 special_ids: set[int], eos_token: str = ""):
         self.tok = tok
+        self.eos_token = eos_token  # the text templates get as eos_token
         self.chat_template = chat_template
         self.bos_id = bos_id
         self.add_bos = add_bos
@@ -77,8 +78,9 @@ class TextTokenizer:
         special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
         tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
         bos = field("tokenizer.ggml.bos_token_id")
+        eos = field("tokenizer.ggml.eos_token_id")
         return cls(tok, field("tokenizer.chat_template"), bos, bool(field("tokenizer.ggml.add_bos_token", False)),
-                   set(special))
+                   set(special), tokens[eos] if eos is not None else "")
 
     @classmethod
     def from_folder(cls, folder: Path) -> TextTokenizer:
@@ -93,7 +95,9 @@ class TextTokenizer:
                    if t.special} if hasattr(tok, "get_added_tokens_decoder") else set()
         bos = cfg.get("bos_token")
         bos_id = tok.token_to_id(bos if isinstance(bos, str) else (bos or {}).get("content", "")) if bos else None
-        return cls(tok, template, bos_id, False, special)
+        eos = cfg.get("eos_token") or ""
+        eos = eos if isinstance(eos, str) else eos.get("content", "")
+        return cls(tok, template, bos_id, False, special, eos)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=True).ids
@@ -113,7 +117,7 @@ class TextTokenizer:
             raise ValueError("the model has no chat template; send a prompt instead of messages")
         bos = self.tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token="")
+                                     bos_token=bos, eos_token=self.eos_token)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template writes BOS itself when the model wants it.

@@ -14,7 +14,8 @@ from kvgen.engine.kv.pool import BlockPool
 class PagedKVCache:
     def __init__(self, pool: BlockPool):
         self.pool = pool
-        self.blocks: list[int] = []
+        self.blocks: list[int] = []  # block i holds positions i*block_size...; -1 once dropped
+        self.first = 0  # blocks before this were dropped (out of a sliding window)
         self.length = 0  # tokens whose K/V are written
 
     @property
@@ -38,6 +39,26 @@ class PagedKVCache:
         table = torch.tensor(self.blocks, dtype=torch.long)
         return table[pos // bs], pos % bs
 
+    @property
+    def live_blocks(self) -> list[int]:
+        return self.blocks[self.first:]
+
+    @property
+    def kv_start(self) -> int:
+        """Position of the first key still held."""
+        return self.first * self.pool.block_size
+
+    def drop_before(self, pos: int) -> list[int]:
+        """Free the blocks whose positions all lie before pos (no query will see them again)."""
+        end = min(pos // self.pool.block_size, len(self.blocks))
+        if end <= self.first:
+            return []
+        dropped = self.blocks[self.first:end]
+        self.blocks[self.first:end] = [-1] * (end - self.first)
+        self.first = end
+        self.pool.free(dropped)
+        return dropped
+
     def advance(self, n: int) -> None:
         bs = self.pool.block_size
         first = self.length // bs
@@ -57,18 +78,23 @@ class PagedKVCache:
     def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [seq_len, kv_heads, head_dim] of one layer, gathered from the blocks."""
         n_blocks = -(-self.length // self.pool.block_size)
-        k, v = self.pool.fmt.read(self.pool.store, layer, torch.tensor(self.blocks[:n_blocks], dtype=torch.long))
+        live = torch.tensor(self.blocks[self.first:n_blocks], dtype=torch.long)
+        k, v = self.pool.fmt.read(self.pool.store, layer, live)
         shape = (-1, self.pool.fmt.num_kv_heads, self.pool.fmt.head_dim)
-        return k.reshape(shape)[: self.length], v.reshape(shape)[: self.length]
+        n = self.length - self.kv_start
+        return k.reshape(shape)[:n], v.reshape(shape)[:n]
 
     def truncate(self, new_len: int) -> list[int]:
         """Keep the first new_len tokens; returns the blocks given back to the pool (reserved
         but unwritten blocks included)."""
         new_len = max(0, min(new_len, self.length))
+        if self.first and new_len < self.length:
+            new_len = 0  # keys before the window are gone: recompute from the start
         bs = self.pool.block_size
         keep = -(-new_len // bs)
-        freed = self.blocks[keep:]
+        freed = [b for b in self.blocks[keep:] if b >= 0]
         self.blocks = self.blocks[:keep]
+        self.first = min(self.first, keep)
         self.length = new_len
         self.pool.free(freed)
         if new_len % bs and self.blocks:

@@ -1,0 +1,84 @@
+"""Fit the q3 codebooks from the model's own K/V, once, before any request is served.
+
+Q3Format starts from a generic normal-quantile codebook; the distribution of normalised K/V
+values differs per layer and between keys (post-RoPE, a few large channels) and values, so
+each (layer, k|v) gets a codebook fitted on what this model actually produces. The samples
+come from a short built-in text run through an fp32 cache: exact K/V, and no dependency on
+request traffic (a refit after serving starts would change how cached blocks decode).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.engine.attention import Step
+from kvgen.engine.kv.formats import KVFormat, make_format
+
+# A few hundred tokens of mixed material (prose, dialogue, numbers, code, a list), so the
+# codebooks see the kinds of activations requests produce, not just one register of English.
+CALIBRATION_TEXT = """\
+The lighthouse keeper wrote the same three lines in his log every evening: the wind, the
+state of the sea, and the number of ships that passed before dark. On the night of the storm
+he wrote a fourth line, which nobody could read afterwards because the ink had run.
+
+"Do you think the bridge will hold?" asked Maria, watching the river rise.
+"It held in 1962," her grandfather said, "and the water was higher then."
+
+Recipe for a simple bread: mix 500 g of flour, 10 g of salt, 7 g of dried yeast and 320 ml
+of warm water. Knead for ten minutes, let it rise for an hour, shape it, bake at 220 C for
+35 minutes.
+
+def moving_average(values, window):
+    total = sum(values[:window])
+    out = [total / window]
+    for i in range(window, len(values)):
+        total += values[i] - values[i - window]
+        out.append(total / window)
+    return out
+
+Things to check before a long walk in the hills:
+1. the weather forecast for the afternoon, not only the morning;
+2. water, food, and a layer that keeps the rain out;
+3. a map, because phones lose signal in the valleys.
+
+In economics, a price ceiling set below the market price tends to create shortages, while a
+floor set above it tends to create surpluses. The size of the effect depends on how strongly
+buyers and sellers respond to the price, which economists call elasticity.
+"""
+
+
+def collect_kv(model, ids: list[int], block_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run ids through the model in one prefill over an fp32 cache; K, V [tokens, kvh, hd] per layer."""
+    cfg = model.cfg
+    n = len(ids)
+    fmt = make_format("fp32", cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
+                      compute_dtype=model.act_dtype)
+    n_blocks = -(-n // block_size)
+    store = fmt.allocate(n_blocks)
+    pos = torch.arange(n)
+    step = Step(positions=pos, write_blocks=pos // block_size, write_offsets=pos % block_size,
+                query_lens=[n], context_lens=[n], block_tables=torch.arange(n_blocks)[None],
+                logits_rows=torch.tensor([n - 1]), is_decode=n == 1)
+    model.forward(torch.tensor(ids), step, fmt, store)
+    shape = (-1, cfg.num_kv_heads, cfg.head_dim)
+    out = []
+    for layer in range(cfg.num_layers):
+        k, v = fmt.read(store, layer, torch.arange(n_blocks))
+        out.append((k.reshape(shape)[:n].float(), v.reshape(shape)[:n].float()))
+    return out
+
+
+def calibrate_format(model, fmt: KVFormat, tokenizer=None, ids: list[int] | None = None) -> bool:
+    """Fit every codebook of a format that has them (q3); other formats are left alone.
+
+    ids default to the tokenized CALIBRATION_TEXT (then a tokenizer is needed). Returns whether
+    anything was fitted. Call it before the format's store holds any block.
+    """
+    if not hasattr(fmt, "calibrate"):
+        return False
+    if ids is None:
+        ids = tokenizer.encode(CALIBRATION_TEXT)
+    for layer, (k, v) in enumerate(collect_kv(model, ids, fmt.block_size)):
+        fmt.calibrate(layer, 0, k)
+        fmt.calibrate(layer, 1, v)
+    return True
