@@ -48,7 +48,9 @@ lint: $(STAMP) $(STUBS)
 	$(VENV)/bin/ruff check kvgen tests bench
 	cd protos && ../$(VENV)/bin/buf lint
 
+# llama.cpp (the peer) is built once per machine into its own venv, never by `make test`.
 bench: $(STAMP) $(STUBS)
+	bash bench/setup_llamacpp.sh
 	$(PY) bench/cpu.py
 
 bench-kv: $(STAMP) $(STUBS)

@@ -58,7 +58,8 @@ def test_paged_attention_equals_contiguous(seed, heads, kv_heads):
         ks.append(k)
         vs.append(v)
     width = max(len(t) for t in tables)
-    step = Step(positions=torch.zeros(sum(qlens), dtype=torch.long), write_blocks=torch.zeros(0), write_offsets=torch.zeros(0),
+    step = Step(positions=torch.zeros(sum(qlens), dtype=torch.long), write_blocks=torch.zeros(0),
+                write_offsets=torch.zeros(0),
                 query_lens=qlens, context_lens=ctx,
                 block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
                 logits_rows=torch.zeros(B, dtype=torch.long), is_decode=decode)

@@ -59,8 +59,10 @@ class Sequence:
         self.cache = cache
         self.cached_tokens = cache.length  # reused from a session
         self.tokenizer = tokenizer
-        stop_ids = params.stop_token_ids if params.stop_token_ids is not None else ([] if params.ignore_eos else eos_ids)
-        self.stop_ids = set(stop_ids)
+        if params.stop_token_ids is not None:
+            self.stop_ids = set(params.stop_token_ids)
+        else:
+            self.stop_ids = set() if params.ignore_eos else set(eos_ids)
         self.generator = None
         if not params.greedy:
             self.generator = torch.Generator()

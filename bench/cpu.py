@@ -1,0 +1,154 @@
+"""`make bench`: kvgen on the CPU next to transformers and llama.cpp, same GGUF, same run.
+
+Writes bench/results/cpu.md. Every comparison is a ratio between runs on this machine
+in this process, so the table means something on any machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import peers  # noqa: E402
+from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
+from kvgen.engine.sampling import SamplingParams  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "cpu.md"
+WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time, in a small village,",
+           "The three laws of thermodynamics are", "Here is a recipe for bread:", "In 1492, Columbus"]
+
+
+def greedy(n, ignore_eos=True):
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=ignore_eos)
+
+
+def prefill_decode(gen: Generator, prompt: list[int], new_tokens=128, repeats=3) -> dict:
+    gen.generate(prompt[:32], greedy(4))  # warm-up
+    prefill = max(len(prompt) / (gen.generate(prompt, greedy(1)).timings["time_to_first_token_ms"] / 1e3)
+                  for _ in range(repeats))
+    decode = 0.0
+    for _ in range(repeats):
+        t = gen.generate(PROMPTS[0], greedy(new_tokens)).timings
+        decode = max(decode, (new_tokens - 1) / ((t["total_ms"] - t["time_to_first_token_ms"]) / 1e3))
+    return {"prefill_tps": prefill, "decode_tps": decode}
+
+
+def distance_from_fp32(ref: Generator, gen: Generator) -> dict:
+    """Max |logit diff| on the first generated token and greedy agreement over 64 tokens."""
+    err, agree = 0.0, []
+    for p in PROMPTS:
+        a = ref.generate(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=5))
+        b = gen.generate(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=5))
+        la = dict(a.logprobs[0].top)
+        lb = dict(b.logprobs[0].top)
+        err = max(err, max(abs(la[t] - lb[t]) for t in la if t in lb))
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=True)) if x != y), 64)
+        agree.append(n)
+    return {"logprob_err": err, "agree": statistics.mean(agree)}
+
+
+def concurrent(gen: Generator, streams: int, new_tokens=64) -> dict:
+    """Aggregate tokens/s of `streams` concurrent greedy streams and their inter-token latency."""
+    gaps: list[float] = []
+    lock = threading.Lock()
+
+    def run(i):
+        last, mine = None, []
+        for ev in gen.generate_stream(f"{PROMPTS[i % len(PROMPTS)]} (story {i})", greedy(new_tokens)):
+            now = time.perf_counter()
+            if last is not None and ev.token_ids:
+                mine.append(now - last)
+            last = now
+        with lock:
+            gaps.extend(mine)
+
+    gen.generate(PROMPTS[0], greedy(4))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(streams)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    gaps.sort()
+    return {"tps": streams * new_tokens / wall, "p50": gaps[len(gaps) // 2] * 1e3,
+            "p99": gaps[min(len(gaps) - 1, int(len(gaps) * 0.99))] * 1e3}
+
+
+def main() -> None:
+    cores = peers.cores()
+    torch.set_num_threads(cores)
+    prompt = peers.prompt_ids(512)
+    lines = ["# CPU benchmark\n",
+             f"{datetime.date.today()} · {platform.processor() or platform.machine()} · {cores} cores · "
+             f"torch {torch.__version__} · model SmolLM2-135M-Instruct Q4_1 GGUF\n",
+             "## Single stream (issue 2): prefill of a 512-token prompt, decode of 128 tokens at batch 1\n",
+             "| engine | weights | prefill tok/s | decode tok/s | prefill / llama.cpp | decode / llama.cpp |",
+             "|---|---|---|---|---|---|"]
+    rows = []
+    llama = peers.llamacpp_prefill_decode(prompt, 128)
+    if llama:
+        rows.append(("llama.cpp (llama-cpp-python)", "Q4_1 GGUF", llama))
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        rows.append(("transformers", name, peers.transformers_prefill_decode(dtype, prompt, 128)))
+    gens = {}
+    for wd in WEIGHT_DTYPES:
+        g = Generator(*load_model(peers.model_path(), wd), EngineOptions(weight_dtype=wd))
+        gens[wd] = g
+        rows.append(("kvgen", wd, prefill_decode(g, prompt)))
+    for engine, weights, r in rows:
+        rel = (f"{r['prefill_tps'] / llama['prefill_tps']:.2f}x", f"{r['decode_tps'] / llama['decode_tps']:.2f}x") \
+            if llama else ("n/a", "n/a")
+        lines.append(f"| {engine} | {weights} | {r['prefill_tps']:.0f} | {r['decode_tps']:.1f} | {rel[0]} | {rel[1]} |")
+    if not llama:
+        lines.append("\nllama.cpp: not built on this machine (run `bash bench/setup_llamacpp.sh`).")
+    lines += ["", "Goals: decode at batch 1 at least llama.cpp's; prefill at least 4x llama.cpp's.", "",
+              "### Distance of each weight setting from fp32 (6 prompts, greedy, 64 tokens)\n",
+              "| weights | max abs logprob diff (first token, top 5) | mean agreeing prefix (of 64) |",
+              "|---|---|---|"]
+    for wd in WEIGHT_DTYPES[1:]:
+        d = distance_from_fp32(gens["fp32"], gens[wd])
+        lines.append(f"| {wd} | {d['logprob_err']:.4f} | {d['agree']:.1f} |")
+    lines += ["", "## Concurrent streams (issue 3): aggregate decode tokens/s, 64 tokens per stream\n",
+              "| streams | kvgen fp32 tok/s | x of 1 stream | p50 ITL ms | p99 ITL ms | kvgen "
+              f"{fast_dtype()} tok/s | x of 1 | p50 ITL ms | p99 ITL ms | transformers fp32 batched tok/s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {}
+    for n in (1, 4, 16, 32):
+        a = concurrent(gens["fp32"], n)
+        b = concurrent(gens[fast_dtype()], n)
+        base.setdefault("a", a["tps"])
+        base.setdefault("b", b["tps"])
+        hf = peers.transformers_batched_decode(torch.float32, n, 64)
+        lines.append(f"| {n} | {a['tps']:.1f} | {a['tps'] / base['a']:.1f}x | {a['p50']:.1f} | {a['p99']:.1f} | "
+                     f"{b['tps']:.1f} | {b['tps'] / base['b']:.1f}x | {b['p50']:.1f} | {b['p99']:.1f} | {hf:.1f} |")
+    lines += ["", "Goal: 16 concurrent streams give at least 5x the tokens/s of one stream."]
+    for g in gens.values():
+        g.close()
+    tracing = Path(__file__).resolve().parent / "tracing.py"
+    if tracing.exists():
+        out = subprocess.run([sys.executable, str(tracing)], capture_output=True, text=True, timeout=900)
+        lines += ["", "## Tracing overhead (issue 6)\n", out.stdout.strip() or out.stderr.strip()[-2000:]]
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text("\n".join(lines) + "\n")
+    print(OUT.read_text())
+
+
+def fast_dtype() -> str:
+    return os.environ.get("BENCH_FAST_WEIGHTS", "int4")
+
+
+if __name__ == "__main__":
+    main()
