@@ -141,7 +141,8 @@ class GraphRunner:
             inputs[name].copy_(entry.static[name][:n])
         return _slice(entry.outputs, bucket, n)
 
-    def capture(self, example_inputs: dict[str, torch.Tensor], batch_sizes: Sequence[int] | None = None) -> None:
+    def capture(self, example_inputs: dict[str, torch.Tensor],
+                batch_sizes: Sequence[int] | None = None) -> None:
         """Capture buckets ahead of time (largest first, so smaller graphs reuse its pool), from
         example inputs of any batch: rows are repeated / cut to each bucket. The examples'
         rows are run by the warmup, so use padding-like values (seq_lens -1) if the step

@@ -150,7 +150,7 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     block_tables[b, pos // block_size], offset pos % block_size, both looked up on the GPU.
     Rows with seq_lens[b] < 0, a position past the table or a -1 table entry write nothing.
     fp8 and q4 quantise on the way in (fp8 grows the block's scale and requantises the block's
-    earlier rows when needed), exactly as the torch formats do. seq_lens is not changed: call
+    other rows when needed), byte for byte as the torch formats do. seq_lens is not changed: call
     increment() once per step after the last layer."""
     name = _format_name(fmt)
     if k.shape != v.shape or k.dim() != 3 or k.dtype != v.dtype or k.dtype not in _DTYPE_NAME:
@@ -172,7 +172,8 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache), _cp(block_tables),
             _cp(seq_lens), np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
             np.int32(block_size), np.int32(kvh), np.int32(hd), np.int32(group))
-    _launch("kv_append", f"kv_append_{name}_{_DTYPE_NAME[k.dtype]}", dev, (b, kvh, 2), (APPEND_THREADS,), args)
+    fn = f"kv_append_{name}_{_DTYPE_NAME[k.dtype]}"
+    _launch("kv_append", fn, dev, (b, kvh, 2), (APPEND_THREADS,), args)
 
 
 def increment(seq_lens: torch.Tensor, valid: torch.Tensor | None = None, n: int = 1) -> None:
@@ -343,7 +344,8 @@ def pack_fp8(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torc
     [n, L, 2, BS, KVH, HD] gives scales shaped like `store["scale"][blocks]`. Outputs may be
     given (any strides that view as [M, T, KVH, HD] / [M, KVH])."""
     if x.dim() < 3 or x.dtype not in _KIND:
-        raise ValueError(f"x must be [..., T, kv_heads, head_dim] fp32/fp16/bf16, got {tuple(x.shape)} {x.dtype}")
+        raise ValueError(f"x must be [..., T, kv_heads, head_dim] fp32/fp16/bf16, got "
+                         f"{tuple(x.shape)} {x.dtype}")
     from kvgen.gpu import pack
 
     *lead, t, kvh, hd = x.shape
