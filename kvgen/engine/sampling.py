@@ -53,46 +53,57 @@ class Sampled:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
            seen: list[list[int]]) -> list[Sampled]:
-    """Pick one token per row of logits [B, V]; `seen` = each row's prompt + output ids."""
-    logits = logits.float()
-    raw = logits
-    if any(p.repetition_penalty != 1.0 for p in params):
-        logits = logits.clone()
-        for i, p in enumerate(params):
-            if p.repetition_penalty != 1.0 and seen[i]:
-                idx = torch.tensor(sorted(set(seen[i])), dtype=torch.long)
-                vals = logits[i, idx]
-                logits[i, idx] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    tokens = logits.argmax(dim=-1)  # the greedy rows' answer, and a cheap default
-    sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if sampled_rows:
-        rows = torch.tensor(sampled_rows)
-        temps = torch.tensor([params[i].temperature for i in sampled_rows]).unsqueeze(1)
-        probs = torch.softmax(logits[rows] / temps, dim=-1)
-        for j, i in enumerate(sampled_rows):
-            tokens[i] = _sample_row(probs[j], params[i], generators[i])
+    """Pick one token per row of logits [B, V] in one batched pass; `seen` = each row's prompt
+    + output ids (only read for rows with a repetition penalty)."""
+    raw = logits.float()
+    logits = _penalise(raw, params, seen)
+    tokens = logits.argmax(dim=-1)  # the greedy rows' answer
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if rows:
+        idx = torch.tensor(rows)
+        tokens[idx] = _sample_rows(logits[idx], [params[i] for i in rows], [generators[i] for i in rows])
     out = [Sampled(int(t)) for t in tokens.tolist()]
     if any(p.logprobs for p in params):
         logp = torch.log_softmax(raw, dim=-1)
+        chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+        k = max(p.logprobs for p in params)
+        top = logp.topk(k)
         for i, p in enumerate(params):
-            out[i].logprob = float(logp[i, out[i].token_id])
+            out[i].logprob = chosen[i]
             if p.logprobs:
-                top = logp[i].topk(p.logprobs)
-                out[i].top = list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                out[i].top = list(zip(top.indices[i, :p.logprobs].tolist(), top.values[i, :p.logprobs].tolist(),
+                                      strict=True))
     return out
 
 
-def _sample_row(probs: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    if p.top_k or p.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
-        if p.top_k:
-            keep[p.top_k:] = False
-        if p.top_p < 1.0:
-            # keep the smallest prefix whose mass reaches top_p (the first token always stays)
-            before = sorted_p.cumsum(0) - sorted_p
-            keep &= before < p.top_p
-        sorted_p = sorted_p * keep
-        choice = torch.multinomial(sorted_p, 1, generator=gen)
-        return int(order[choice])
-    return int(torch.multinomial(probs, 1, generator=gen))
+def _penalise(logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]]) -> torch.Tensor:
+    """CTRL-style repetition penalty for every row at once (positive logits / p, negative * p)."""
+    pen = [p.repetition_penalty for p in params]
+    if all(x == 1.0 for x in pen):
+        return logits
+    hit = torch.zeros_like(logits, dtype=torch.bool)
+    rows = [i for i, x in enumerate(pen) if x != 1.0 and seen[i]]
+    if rows:
+        width = max(len(seen[i]) for i in rows)
+        ids = torch.tensor([seen[i] + [seen[i][0]] * (width - len(seen[i])) for i in rows])
+        hit[torch.tensor(rows)] = hit[torch.tensor(rows)].scatter(1, ids, True)
+    p = torch.tensor(pen, dtype=logits.dtype)[:, None]
+    penalised = torch.where(logits > 0, logits / p, logits * p)
+    return torch.where(hit, penalised, logits)
+
+
+def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]):
+    """Temperature, top-k and top-p as masks over one sort of every row, then the Gumbel-max
+    trick with each row's own generator (so a seed gives the same tokens whatever the batch)."""
+    temps = torch.tensor([p.temperature for p in params])[:, None]
+    probs = torch.softmax(logits / temps, dim=-1)
+    top_k = torch.tensor([p.top_k or probs.shape[1] for p in params])[:, None]
+    top_p = torch.tensor([p.top_p for p in params])[:, None]
+    if bool((top_k < probs.shape[1]).any() or (top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        rank = torch.arange(probs.shape[1])[None, :]
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        keep = (rank < top_k) & ((sorted_p.cumsum(-1) - sorted_p) < top_p)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
+    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=g) for g in gens])
+    return (probs / noise).argmax(dim=-1)

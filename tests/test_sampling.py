@@ -1,0 +1,68 @@
+"""The batched sampler: each row behaves as if sampled alone, whatever else is in the batch."""
+
+from __future__ import annotations
+
+import torch
+
+from kvgen.engine.sampling import SamplingParams, sample
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(4, 50)
+    out = sample(logits, [SamplingParams(temperature=0)] * 4, [None] * 4, [[]] * 4)
+    assert [o.token_id for o in out] == logits.argmax(-1).tolist()
+
+
+def test_a_seeded_row_is_independent_of_its_batch():
+    logits = torch.randn(5, 200)
+    p = SamplingParams(temperature=0.9, top_k=40, top_p=0.8)
+    alone = sample(logits[2:3], [p], [gen(11)], [[]])[0].token_id
+    others = [SamplingParams(temperature=0), SamplingParams(temperature=1.5), p, SamplingParams(top_p=0.3),
+              SamplingParams(temperature=0.5, repetition_penalty=1.3)]
+    batch = sample(logits, others, [None, gen(1), gen(11), gen(2), gen(3)], [[]] * 4 + [[1, 2, 3]])
+    assert batch[2].token_id == alone
+
+
+def test_top_k_and_top_p_restrict_the_support():
+    logits = torch.linspace(0, 5, 100)[None, :].repeat(2, 1)  # token 99 most likely
+    draws_k, draws_p = set(), set()
+    for seed in range(300):
+        a, b = sample(logits, [SamplingParams(top_k=3), SamplingParams(top_p=0.2)], [gen(seed), gen(seed + 1000)],
+                      [[], []])
+        draws_k.add(a.token_id)
+        draws_p.add(b.token_id)
+    assert draws_k == {97, 98, 99}
+    probs = torch.softmax(logits[0], -1).sort(descending=True).values
+    n_nucleus = int(((probs.cumsum(0) - probs) < 0.2).sum())
+    assert draws_p <= set(range(100 - n_nucleus, 100)) and len(draws_p) > 1
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    counts = torch.zeros(3)
+    g = gen(0)
+    for _ in range(3000):
+        counts[sample(logits, [SamplingParams()], [g], [[]])[0].token_id] += 1
+    torch.testing.assert_close(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04, rtol=0)
+
+
+def test_repetition_penalty_only_touches_seen_tokens():
+    logits = torch.tensor([[2.0, -1.0, 1.9, 0.5]])
+    out = sample(logits, [SamplingParams(temperature=0, repetition_penalty=2.0)], [None], [[0, 1]])
+    assert out[0].token_id == 2  # 2.0 -> 1.0 for the seen token 0, so 1.9 wins
+    none = sample(logits, [SamplingParams(temperature=0, repetition_penalty=2.0)], [None], [[3]])
+    assert none[0].token_id == 0
+
+
+def test_logprobs_are_of_the_model_distribution():
+    logits = torch.randn(2, 30)
+    out = sample(logits, [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0)], [None, None],
+                 [[], []])
+    logp = torch.log_softmax(logits, -1)
+    assert abs(out[0].logprob - logp[0].max().item()) < 1e-6
+    assert [t for t, _ in out[0].top] == logp[0].topk(3).indices.tolist()
+    assert out[1].top is None
