@@ -40,13 +40,18 @@ $(STAMP): pyproject.toml
 	touch $@
 
 $(STUBS): protos/kvgen/v1/generate.proto $(STAMP)
-	$(PY) -m grpc_tools.protoc -I protos \
-	  -I $$($(PY) -c 'import google.rpc, os; print(os.path.dirname(os.path.dirname(list(google.rpc.__path__)[0])))') \
+	$(PY) -m grpc_tools.protoc -I protos -I $(GOOGLE_PROTOS) \
 	  --python_out=. --pyi_out=. --grpc_python_out=. protos/kvgen/v1/generate.proto
 
+GOOGLE_PROTOS = $$($(PY) -c 'import google.rpc, os; print(os.path.dirname(os.path.dirname(list(google.rpc.__path__)[0])))')
+
+# buf cannot fetch googleapis here, so it lints a copy of protos/ beside the google/rpc
+# protos that the googleapis-common-protos package ships.
 lint: $(STAMP) $(STUBS)
 	$(VENV)/bin/ruff check kvgen tests bench
-	cd protos && ../$(VENV)/bin/buf lint
+	tmp=$$(mktemp -d) && cp -r protos/. $$tmp/ && mkdir -p $$tmp/google/rpc && \
+	  cp $(GOOGLE_PROTOS)/google/rpc/status.proto $$tmp/google/rpc/ && \
+	  (cd $$tmp && $(CURDIR)/$(VENV)/bin/buf lint --path kvgen); rc=$$?; rm -rf $$tmp; exit $$rc
 
 # llama.cpp (the peer) is built once per machine into its own venv, never by `make test`.
 bench: $(STAMP) $(STUBS)
