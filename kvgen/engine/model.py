@@ -67,7 +67,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, w.shape, w, eps)
 
 
-def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
+    """Complex rotations [max_pos, head_dim / 2] for the interleaved RoPE layout."""
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.head_dim))
     scaling = cfg.rope_scaling or {}
@@ -79,8 +80,7 @@ def rope_tables(cfg: ModelConfig, max_pos: int) -> tuple[torch.Tensor, torch.Ten
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported RoPE scaling {kind!r}")
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout
-    return angles.cos(), angles.sin()
+    return torch.polar(torch.ones_like(angles), angles)
 
 
 def _llama3_scaling(inv_freq, s):
@@ -93,20 +93,32 @@ def _llama3_scaling(inv_freq, s):
     return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, heads, D]; cos, sin: [T, 1, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+def interleave(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF rotate-half rows -> interleaved pairs (llama.cpp's layout), per head.
+
+    q and k get the same permutation, so attention scores do not change, and RoPE becomes
+    one complex multiply instead of a slice-negate-concat dance.
+    """
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    # x: [T, heads, D] interleaved pairs; rot: [T, 1, D/2] complex
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * rot).flatten(-2).to(x.dtype)
 
 
 class Layer:
     def __init__(self, cfg: ModelConfig, w: dict, i: int, dtype: str, act: torch.dtype):
         p = f"model.layers.{i}."
-        qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
+        qkv = torch.cat([interleave(w[p + "self_attn.q_proj.weight"], heads["q"]),
+                         interleave(w[p + "self_attn.k_proj.weight"], heads["k"]), w[p + "self_attn.v_proj.weight"]])
         bias = None
         if cfg.qkv_bias:
-            bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]).to(act)
+            bias = torch.cat([interleave(w[p + "self_attn.q_proj.bias"], heads["q"]),
+                              interleave(w[p + "self_attn.k_proj.bias"], heads["k"]),
+                              w[p + "self_attn.v_proj.bias"]]).to(act)
         self.qkv = Linear(qkv, bias, dtype)
         self.o = Linear(w[p + "self_attn.o_proj.weight"], None, dtype)
         self.gate_up = Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), None, dtype)
@@ -129,7 +141,7 @@ class Model:
         self.norm = weights["model.norm.weight"].to(act)
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         self.lm_head = Linear(head, None, weight_dtype)
-        self.cos, self.sin = rope_tables(cfg, cfg.context_length)
+        self.rot = rope_tables(cfg, cfg.context_length)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
@@ -138,20 +150,19 @@ class Model:
         """Logits [B, vocab] (fp32) of each sequence's last new token; writes K/V to the store."""
         cfg = self.cfg
         T = input_ids.shape[0]
-        cos = self.cos[step.positions].unsqueeze(1).to(self.act_dtype)
-        sin = self.sin[step.positions].unsqueeze(1).to(self.act_dtype)
+        rot = self.rot[step.positions].unsqueeze(1)
         nq, nkv = cfg.num_heads, cfg.num_kv_heads
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
             x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
             qkv = layer.qkv(x).view(T, -1, cfg.head_dim)
-            qk = apply_rope(qkv[:, :nq + nkv], cos, sin)  # q and k heads rotate in one go
+            qk = apply_rope(qkv[:, :nq + nkv], rot)  # q and k heads rotate in one go
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
             fmt.write(store, i, step.write_blocks, step.write_offsets, k, v)
             a = attend(q, fmt, store, i, step)
-            h = h + layer.o(a.reshape(T, self.q_size))
+            h += layer.o(a.reshape(T, self.q_size))
             x = rms_norm(h, layer.ln2, cfg.rms_norm_eps)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            h += layer.down(F.silu(gate) * up)
         h = rms_norm(h[step.logits_rows], self.norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()

@@ -1,0 +1,134 @@
+'use strict';
+// Integration tests against a running kvgen server: KVGEN_TARGET=host:port node --test test/
+// (tests/test_node_client.py starts one in-process and runs these).
+
+const { describe, test, before, after } = require('node:test');
+const assert = require('node:assert/strict');
+const { KvgenClient, badRequestFields, status } = require('../index.js');
+
+const TARGET = process.env.KVGEN_TARGET;
+const GREEDY = { temperature: 0 };
+const CHAT = [{ role: 'user', content: 'Write one sentence about the sea.' }];
+
+describe('KvgenClient', { skip: TARGET ? false : 'KVGEN_TARGET is not set' }, () => {
+  let client;
+  before(() => {
+    client = new KvgenClient(TARGET, { deadlineMs: 60_000 });
+  });
+  after(() => client?.close());
+
+  test('unary greedy generation', async () => {
+    const r = await client.generate('The capital of France is', { ...GREEDY, max_new_tokens: 8 });
+    assert.ok(r.text.startsWith(' Paris'), JSON.stringify(r.text));
+    assert.equal(r.tokenIds.length, 8);
+    assert.equal(r.finishReason, 'FINISH_REASON_LENGTH');
+    assert.deepEqual(r.usage, { promptTokens: 5, completionTokens: 8, cachedTokens: 0 });
+    assert.ok(r.requestId);
+    assert.ok(r.timings.totalMs >= r.timings.timeToFirstTokenMs && r.timings.timeToFirstTokenMs > 0);
+  });
+
+  test('stream deltas concatenate to the unary text', async () => {
+    const sampling = { ...GREEDY, maxNewTokens: 24 };
+    const unary = await client.generate(CHAT, sampling, { requestId: 'node-req-1' });
+    const msgs = [];
+    for await (const m of client.stream(CHAT, sampling, { requestId: 'node-req-1' })) msgs.push(m);
+    assert.ok(msgs.length > 1);
+    assert.equal(msgs.map((m) => m.text).join(''), unary.text);
+    assert.deepEqual(msgs.flatMap((m) => m.tokenIds), unary.tokenIds);
+    assert.ok(msgs.every((m) => m.requestId === 'node-req-1'));
+    assert.ok(msgs.slice(0, -1).every((m) => m.finishReason === 'FINISH_REASON_UNSPECIFIED'));
+    const last = msgs[msgs.length - 1];
+    assert.equal(last.finishReason, unary.finishReason);
+    assert.deepEqual(last.usage, unary.usage);
+  });
+
+  test('chat messages input uses the chat template', async () => {
+    const r = await client.generate(CHAT, { ...GREEDY, max_new_tokens: 40 });
+    assert.equal(r.finishReason, 'FINISH_REASON_STOP_TOKEN');
+    assert.equal(r.matchedStop, '<|im_end|>');
+    assert.ok(r.text.length > 0);
+    // the template wraps the 8-token message in role markers and adds the generation prompt
+    const plain = await client.generate(CHAT[0].content, { ...GREEDY, max_new_tokens: 1 });
+    assert.ok(r.usage.promptTokens > plain.usage.promptTokens + 5);
+  });
+
+  test('prompt token ids input', async () => {
+    const text = await client.generate('The capital of France is', { ...GREEDY, max_new_tokens: 4 });
+    const ids = await client.generate(text.tokenIds, { ...GREEDY, max_new_tokens: 2 });
+    assert.equal(ids.usage.promptTokens, text.tokenIds.length);
+    assert.equal(ids.tokenIds.length, 2);
+  });
+
+  test('batch with one invalid entry', async () => {
+    const out = await client.batch([
+      { input: 'The capital of France is', sampling: { ...GREEDY, max_new_tokens: 6 } },
+      { input: [1, 2, 99999999], sampling: { max_new_tokens: 4 } },
+      { input: CHAT, sampling: { ...GREEDY, max_new_tokens: 6 } },
+    ]);
+    assert.deepEqual(out.results.map((r) => r.result), ['response', 'error', 'response']);
+    const err = out.results[1].error;
+    assert.equal(err.code, 3);
+    assert.equal(err.code, status.INVALID_ARGUMENT);
+    assert.match(err.message, /99999999/);
+    assert.deepEqual(badRequestFields(err).map((v) => v.field), ['prompt_token_ids']);
+    const solo = await client.generate('The capital of France is', { ...GREEDY, max_new_tokens: 6 });
+    assert.deepEqual(out.results[0].response.tokenIds, solo.tokenIds);
+  });
+
+  test('INVALID_ARGUMENT names the field', async () => {
+    await assert.rejects(client.generate('hi', { top_p: 2 }), (err) => {
+      assert.equal(err.code, status.INVALID_ARGUMENT);
+      const fields = badRequestFields(err);
+      assert.deepEqual(fields.map((v) => v.field), ['sampling.top_p']);
+      assert.ok(fields[0].description);
+      return true;
+    });
+    // errors of streams reject the iteration the same way
+    await assert.rejects(
+      (async () => {
+        for await (const _ of client.stream('hi', { temperature: -1 })); // eslint-disable-line no-unused-vars
+      })(),
+      (err) => err.code === status.INVALID_ARGUMENT && badRequestFields(err)[0].field === 'sampling.temperature',
+    );
+  });
+
+  test('cancel a long stream mid-way', async () => {
+    const s = client.stream('Once upon a time', { max_new_tokens: 2000, ignore_eos: true });
+    const started = Date.now();
+    let tokens = 0;
+    for await (const m of s) {
+      tokens += m.tokenIds.length;
+      if (tokens >= 3) s.cancel();
+    }
+    assert.ok(s.cancelled);
+    assert.ok(tokens >= 3 && tokens < 2000);
+    assert.ok(Date.now() - started < 30_000);
+    // the server is still serving afterwards
+    const r = await client.generate('The capital of France is', { ...GREEDY, max_new_tokens: 2 });
+    assert.equal(r.tokenIds.length, 2);
+  });
+
+  test('deadline exceeded', async () => {
+    const s = client.stream('Once upon a time', { max_new_tokens: 2000, ignore_eos: true }, { deadlineMs: 300 });
+    await assert.rejects(s.collect(), (err) => err.code === status.DEADLINE_EXCEEDED);
+  });
+
+  test('sessions reuse the cached conversation', async () => {
+    const { sessionId, ttlSeconds } = await client.createSession();
+    assert.ok(sessionId && ttlSeconds > 0);
+    const sampling = { ...GREEDY, max_new_tokens: 4 };
+    const r1 = await client.generate([{ role: 'user', content: 'Name a fruit.' }], sampling, { sessionId });
+    const r2 = await client.generate([{ role: 'user', content: 'Now a vegetable.' }], sampling, { sessionId });
+    assert.ok(r2.usage.cachedTokens > r1.usage.promptTokens);
+    await client.closeSession(sessionId);
+    await assert.rejects(client.generate('hi', { max_new_tokens: 1 }, { sessionId }), { code: status.NOT_FOUND });
+  });
+
+  test('model info', async () => {
+    const info = await client.modelInfo();
+    assert.equal(info.architecture, 'llama');
+    assert.equal(info.numLayers, 30);
+    assert.ok(info.vocabSize > 0 && info.contextLength > 0);
+    assert.ok(info.hasChatTemplate);
+  });
+});
