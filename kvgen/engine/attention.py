@@ -82,11 +82,10 @@ def _decode(q, fmt, store, layer, step):
     k = k.reshape(B, -1, kvh, D)[:, :max_keys].permute(0, 2, 3, 1)  # [B, KVH, D, L]
     v = v.reshape(B, -1, kvh, D)[:, :max_keys].transpose(1, 2)  # [B, KVH, L, D]
     if not (step.window or step.chunk) and min(n_keys) == max_keys:  # no mask: one fused call
-        o = F.scaled_dot_product_attention(q.view(B, H, 1, D), k.transpose(2, 3).to(q.dtype), v.to(q.dtype),
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(q.view(B, H, 1, D), k.transpose(2, 3), v, enable_gqa=True)
         return o.view(B, H, D)
     qg = q.view(B, kvh, H // kvh, D)
-    scores = torch.matmul(qg, k.to(q.dtype)) * (1.0 / math.sqrt(D))  # [B, KVH, G, L]
+    scores = torch.matmul(qg, k) * (1.0 / math.sqrt(D))  # [B, KVH, G, L]
     if step.window or step.chunk:
         k_pos = torch.tensor(starts)[:, None] + torch.arange(max_keys)[None, :]
         q_pos = torch.tensor(step.context_lens)[:, None] - 1
@@ -96,4 +95,4 @@ def _decode(q, fmt, store, layer, step):
         pad = torch.arange(max_keys)[None, :] >= torch.tensor(n_keys)[:, None]
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v.to(q.dtype)).view(B, H, D)
+    return torch.matmul(probs, v).view(B, H, D)

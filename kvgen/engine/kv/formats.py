@@ -72,14 +72,26 @@ class PlainFormat(KVFormat):
         shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         return {"kv": torch.zeros(shape, dtype=self.dtype, device=device)}
 
-    def write(self, store, layer, blocks, offsets, k, v):
+    def _layer_views(self, store):
+        # Per-layer K and V views [NB, block, kvh, hd], made once per store: a decode step
+        # calls write and read for every layer, and each indexing op costs dispatch time.
         kv = store["kv"]
-        kv[blocks, layer, 0, offsets] = k.to(self.dtype)
-        kv[blocks, layer, 1, offsets] = v.to(self.dtype)
+        if getattr(self, "_views_of", None) is not kv:
+            self._views = [(kv[:, i, 0], kv[:, i, 1]) for i in range(self.num_layers)]
+            self._views_of = kv
+        return self._views
+
+    def write(self, store, layer, blocks, offsets, k, v):
+        kl, vl = self._layer_views(store)[layer]
+        kl.index_put_((blocks, offsets), k if k.dtype == self.dtype else k.to(self.dtype))
+        vl.index_put_((blocks, offsets), v if v.dtype == self.dtype else v.to(self.dtype))
 
     def read(self, store, layer, block_ids):
-        kv = store["kv"][block_ids, layer]  # [M, 2, block, kvh, hd]
-        return kv[:, 0].to(self.compute_dtype), kv[:, 1].to(self.compute_dtype)
+        kl, vl = self._layer_views(store)[layer]
+        k, v = kl[block_ids], vl[block_ids]
+        if self.dtype != self.compute_dtype:
+            k, v = k.to(self.compute_dtype), v.to(self.compute_dtype)
+        return k, v
 
 
 class Fp8Format(KVFormat):
