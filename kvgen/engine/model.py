@@ -13,8 +13,9 @@ from kvgen.engine.attention import Step, attend
 from kvgen.engine.config import ModelConfig
 
 WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+CUDA_WEIGHT_DTYPES = ("fp32", "bf16")  # int8 / int4 run torch's CPU-only packed kernels
 INT4_GROUP = 32  # GGUF Q4_0/Q4_1 group size: a Q4_1 file's weights fit this format nearly exactly
-SMALL_M = 16  # rows up to which the packed int8/int4 kernels beat dequantize + matmul
+SMALL_M = 4  # rows up to which the packed int8/int4 kernels (one GEMV per row) beat a bf16 matmul
 
 
 class Linear:
@@ -28,7 +29,7 @@ class Linear:
         if dtype == "int8":
             scale = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
             self.w = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
-            self.scale = scale.float()
+            self.scale = scale.to(torch.bfloat16)  # the packed kernels are fast with bf16 activations only
         elif dtype == "int4":
             n, k = w.shape
             g = w.float().reshape(n, k // INT4_GROUP, INT4_GROUP)
@@ -37,31 +38,36 @@ class Linear:
             q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
             self.w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
             # the kernel computes (q - 8) * scale + zero
-            self.scale = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous()
+            self.scale = torch.stack([scale, lo + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
             self._q, self._lo, self._step = q.to(torch.uint8), lo, scale  # for large-M dequantize
         else:
             self.w = w.to(torch.bfloat16 if dtype == "bf16" else torch.float32).contiguous()
             self.wt = self.w.t()  # mm on the transposed view: one dispatch instead of linear's six
 
     def dequantized(self) -> torch.Tensor:
+        """The weight as bf16, for calls with many rows (prefill, large decode batches)."""
         if self.dtype == "int8":
-            return self.w.float() * self.scale[:, None]
-        if self.dtype == "int4":
-            n, k = self._q.shape
-            g = self._q.reshape(n, k // INT4_GROUP, INT4_GROUP).float()
-            return (g * self._step[..., None] + self._lo[..., None]).reshape(n, k)
-        return self.w
+            return self.w.to(torch.bfloat16) * self.scale[:, None]
+        n, k = self._q.shape
+        g = self._q.reshape(n, k // INT4_GROUP, INT4_GROUP).float()
+        return (g * self._step[..., None] + self._lo[..., None]).reshape(n, k).to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dtype in ("fp32", "bf16"):
             return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
-        if x.shape[0] > SMALL_M:  # prefill: one dequantize per call beats the packed kernels here
+        if x.shape[0] > SMALL_M:
             return F.linear(x, self.dequantized(), self.b)
         if self.dtype == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.w, INT4_GROUP, self.scale)
         return y if self.b is None else y + self.b
+
+    def to(self, move) -> None:
+        """Place the weights with move(tensor) (Model.to; fp32 / bf16 only)."""
+        self.w = move(self.w)
+        self.wt = self.w.t()
+        self.b = move(self.b) if self.b is not None else None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -133,15 +139,32 @@ class Layer:
         self.ln1 = w[p + "input_layernorm.weight"].to(act)
         self.ln2 = w[p + "post_attention_layernorm.weight"].to(act)
 
+    def to(self, move) -> None:
+        for lin in (self.qkv, self.o, self.gate_up, self.down):
+            lin.to(move)
+        self.ln1, self.ln2 = move(self.ln1), move(self.ln2)
+
+
+def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
+    if weight_dtype not in CUDA_WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {weight_dtype!r} runs on the CPU only (torch's packed int8 / int4 "
+                         f"kernels); on {device.type} use one of {', '.join(CUDA_WEIGHT_DTYPES)}")
+
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype: str = "fp32"):
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype: str = "fp32",
+                 device: str | torch.device = "cpu"):
         if weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+        device = torch.device(device)
+        if device.type != "cpu":
+            _check_device_dtype(weight_dtype, device)
+        self.device = torch.device("cpu")
         self.cfg = cfg
         self.weight_dtype = weight_dtype
-        # bf16 weights run bf16 activations (the matmuls hit AMX/oneDNN); int8 runs fp32.
-        self.act_dtype = torch.bfloat16 if weight_dtype == "bf16" else torch.float32
+        # Only fp32 weights run fp32 activations: bf16 matmuls hit AMX, and torch's packed
+        # int8/int4 CPU kernels are several times faster with bf16 inputs than fp32 ones.
+        self.act_dtype = torch.float32 if weight_dtype == "fp32" else torch.bfloat16
         act = self.act_dtype
         self.embed = weights["model.embed_tokens.weight"].to(act)
         self.layers = [Layer(cfg, weights, i, weight_dtype, act) for i in range(cfg.num_layers)]
@@ -151,6 +174,31 @@ class Model:
         self.rot = rope_tables(cfg, cfg.context_length)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        if device.type != "cpu":
+            self.to(device)
+
+    def to(self, device: str | torch.device) -> Model:
+        """Move every weight and the RoPE table to `device` (built on the CPU first, so the
+        CPU path never changes). Tensors shared on the CPU stay shared: fp32 tied embeddings
+        are one tensor for embed and lm_head, and stay one copy on the device."""
+        device = torch.device(device)
+        if device.type != "cpu":
+            _check_device_dtype(self.weight_dtype, device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        moved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (source kept alive, copy)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in moved:
+                moved[id(t)] = (t, t.to(device))
+            return moved[id(t)][1]
+
+        self.embed, self.norm, self.rot = move(self.embed), move(self.norm), move(self.rot)
+        for layer in self.layers:
+            layer.to(move)
+        self.lm_head.to(move)
+        self.device = device
+        return self
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, step: Step, fmt, store) -> torch.Tensor:
