@@ -2,11 +2,12 @@
 
 The seed's TracingCacheProvider made real for distributed tracing. `TracingCache` delegates
 every cache verb to the real cache and notes the ones that matter to an operator (block alloc
-and free, append, truncate, preemption, prefix hit or miss, and quantize / demote / promote /
-prefetch once the cache has them) in a `KVRecord`: plain data with perf_counter times, no
-OpenTelemetry. kvgen.service.tracing installs the wrapper when a traced request is submitted
-(Engine.on_submit) and turns the record into spans and span events when the engine lets go of
-the sequence (Engine.on_release); an untraced request never sees it.
+and free, append, truncate, preemption, blocks dropped behind a sliding window, prefix hit or
+miss, and quantize / demote / promote / prefetch once the cache has them) in a `KVRecord`:
+plain data with perf_counter times, no OpenTelemetry. kvgen.service.tracing installs the
+wrapper when a traced request is submitted (Engine.on_submit) and turns the record into spans
+and span events when the engine lets go of the sequence (Engine.on_release); an untraced
+request never sees it.
 
 Per-token work stays cheap: each engine step is one `advance` per sequence, decode steps are
 summed rather than listed, and consecutive appends coalesce into one op until another op
@@ -26,6 +27,7 @@ PLAIN_DTYPES = ("fp32", "fp16", "bf16")
 # Cache verbs that don't exist yet (tiers, explicit quantization) are traced when they appear.
 FUTURE_VERBS = frozenset({"quantize", "demote", "promote", "prefetch"})
 MAX_BLOCK_IDS = 32  # block ids listed per event; the count is always exact
+_OWN = frozenset({"inner", "info", "record", "_t_step", "_idle"})  # TracingCache's own attributes
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,12 +105,16 @@ class KVRecord:
             self.op(name, t1, tokens=tokens, start=start, bytes=nbytes)
 
     def step(self, t0: float, t1: float, start: int, tokens: int) -> None:
-        """This sequence's share of one engine step: `tokens` K/V written from `start`."""
+        """This sequence's share of one engine step: `tokens` K/V written from `start`. A prefill
+        chunk's append is its own op; decode steps' appends coalesce."""
         if tokens > 1 or start < self.prompt_len:
             self.chunks.append(Chunk(t0, t1, start, tokens, self.preemptions > 0))
-        else:
-            self.decode_steps += 1
-            self.decode_seconds += t1 - t0
+            self.flush()
+            self._append = [t1, t1, start, tokens]
+            self.flush()
+            return
+        self.decode_steps += 1
+        self.decode_seconds += t1 - t0
         if self._append is None:
             self._append = [t1, t1, start, tokens]
         else:
@@ -166,11 +172,29 @@ class TracingCache:
     def seq_len(self) -> int:
         return self.inner.length
 
+    @property
+    def live_blocks(self) -> list[int]:
+        return self.inner.live_blocks
+
+    @property
+    def kv_start(self) -> int:
+        return self.inner.kv_start
+
+    def held(self) -> list[int]:
+        """Blocks this cache holds in the pool (dropped ones are -1 in `blocks`)."""
+        return [b for b in self.inner.blocks if b >= 0]
+
     def blocks_needed(self, n_new: int) -> int:
         return self.inner.blocks_needed(n_new)
 
     def get(self, layer: int):
         return self.inner.get(layer)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:  # state the engine (or a tier manager) sets on the cache belongs to the real one
+            setattr(self.inner, name, value)
 
     def __getattr__(self, name: str):
         attr = getattr(self.inner, name)
@@ -215,6 +239,12 @@ class TracingCache:
         if self.inner.length != start and self.record is not None:
             self.record.step(self._t_step, time.perf_counter(), start, self.inner.length - start)
 
+    def drop_before(self, pos: int) -> list[int]:
+        dropped = self.inner.drop_before(pos)
+        if dropped:
+            self._op("kv.drop", blocks=dropped, before=pos)
+        return dropped
+
     def truncate(self, new_len: int) -> list[int]:
         old = self.inner.length
         freed = self.inner.truncate(new_len)
@@ -225,7 +255,7 @@ class TracingCache:
     def reset(self) -> None:
         """While a request is attached only the scheduler resets its cache: a preemption.
         Detached, it is a session's cache being evicted or closed."""
-        blocks, tokens = list(self.inner.blocks), self.inner.length
+        blocks, tokens = self.held(), self.inner.length
         self.inner.reset()
         if self.record is not None:
             self.record.preemptions += 1
@@ -235,7 +265,7 @@ class TracingCache:
 
     def free(self) -> None:
         """The request is over and its blocks go back to the pool."""
-        blocks, tokens = list(self.inner.blocks), self.inner.length
+        blocks, tokens = self.held(), self.inner.length
         self.inner.free()
         self._op("kv.free", blocks=blocks, tokens=tokens)
 
@@ -252,7 +282,7 @@ def trace_sequence(seq, info: KVInfo, parent=None) -> KVRecord:
     record = KVRecord(info, seq.seq_id, len(seq.prompt_ids), parent)
     cache.attach(record)
     if seq.cached_tokens:
-        held = cache.blocks[: -(-seq.cached_tokens // info.block_size)]
+        held = [b for b in cache.blocks[: -(-seq.cached_tokens // info.block_size)] if b >= 0]
         record.op("kv.prefix_hit", blocks=held, tokens=seq.cached_tokens)
     elif seq.session is not None:
         record.op("kv.prefix_miss", tokens=0)
@@ -265,5 +295,5 @@ def release_sequence(seq) -> KVRecord | None:
     if not isinstance(cache, TracingCache) or cache.record is None:
         return None
     if seq.session is not None and cache.blocks:
-        cache.record.op("kv.retain", blocks=list(cache.blocks), tokens=cache.length)
+        cache.record.op("kv.retain", blocks=cache.held(), tokens=cache.length)
     return cache.detach()

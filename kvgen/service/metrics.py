@@ -1,16 +1,72 @@
-"""Prometheus metrics on METRICS_PORT (/metrics)."""
+"""Prometheus metrics on METRICS_PORT (/metrics), named as the OpenTelemetry GenAI conventions
+(gen_ai_server_*, with their bucket boundaries), vLLM and grpc-prometheus name them.
+
+Request metrics are observed once per request, on the engine thread, when the engine releases
+it (Engine.on_release); gauges are read at scrape time; RPC outcomes come from an interceptor.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import asyncio
+import time
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvgen.engine.sequence import FinishReason, Sequence
+
+# gen_ai.response.finish_reasons values, and the finish_reason label
+FINISH_REASONS = {FinishReason.STOP_TOKEN: "stop", FinishReason.STOP_STRING: "stop",
+                  FinishReason.LENGTH: "length", FinishReason.CANCELLED: "cancelled",
+                  FinishReason.ABORTED: "error"}
+# Bucket boundaries the GenAI semantic conventions advise for these histograms.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+DURATION_BUCKETS = (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92)
+MODEL_LABEL = "gen_ai_request_model"  # gen_ai.request.model, as an OTel Prometheus exporter names it
 
 
 class Metrics:
-    def __init__(self, gen, registry: CollectorRegistry | None = None):
+    def __init__(self, gen=None, registry: CollectorRegistry | None = None):
         self.registry = r = registry or CollectorRegistry()
-        pool, sched = gen.pool, gen.scheduler
+        # per request
+        self.ttft = Histogram("gen_ai_server_time_to_first_token", "Time to generate the first token",
+                              [MODEL_LABEL], unit="seconds", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("gen_ai_server_time_per_output_token", "Mean time per token after the first",
+                              [MODEL_LABEL], unit="seconds", buckets=TPOT_BUCKETS, registry=r)
+        self.duration = Histogram("gen_ai_server_request_duration", "Time from arrival to the last token",
+                                  [MODEL_LABEL], unit="seconds", buckets=DURATION_BUCKETS, registry=r)
+        self.queue = Histogram("kvgen_request_queue_time", "Time waiting before admission to the batch",
+                               unit="seconds", buckets=TTFT_BUCKETS, registry=r)
+        self.prefill = Histogram("kvgen_request_prefill_time", "Time from admission to the first token",
+                                 unit="seconds", buckets=TTFT_BUCKETS, registry=r)
+        self.decode = Histogram("kvgen_request_decode_time", "Time from the first token to the last",
+                                unit="seconds", buckets=DURATION_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvgen_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_tokens = Counter("kvgen_cached_prompt_tokens", "Prompt tokens whose KV was cached",
+                                     registry=r)
+        self.generation_tokens = Counter("kvgen_generation_tokens", "Tokens generated", registry=r)
+        self.finished = Counter("kvgen_requests_finished", "Requests finished, by finish reason",
+                                ["finish_reason"], registry=r)
+        for reason in sorted(set(FINISH_REASONS.values())):
+            self.finished.labels(reason)
+        # per RPC
+        self.handled = Counter("grpc_server_handled", "RPCs completed on the server, by status code",
+                               ["grpc_service", "grpc_method", "grpc_type", "grpc_code"], registry=r)
+        # A counter only goes up: mirror the scheduler's count after each step.
+        self._preempt = Counter("kvgen_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
+        self._sched = None
+        self._seen_preemptions = 0
+        self._model = {}
+        if gen is not None:
+            self.bind(gen)
+
+    def bind(self, gen) -> None:
+        """Gauges over gen's pool, scheduler and sessions, read at scrape time."""
+        r, pool, sched = self.registry, gen.pool, gen.scheduler
         Gauge("kvgen_kv_blocks_used", "KV blocks allocated", registry=r).set_function(lambda: pool.used)
-        Gauge("kvgen_kv_blocks_total", "KV blocks in the pool", registry=r).set_function(lambda: pool.capacity)
+        Gauge("kvgen_kv_blocks_total", "KV blocks in the pool",
+              registry=r).set_function(lambda: pool.capacity)
         Gauge("kvgen_kv_cache_usage_ratio", "Fraction of KV blocks allocated",
               registry=r).set_function(lambda: pool.used / pool.capacity)
         Gauge("kvgen_requests_running", "Requests in the running batch",
@@ -18,17 +74,100 @@ class Metrics:
         Gauge("kvgen_requests_waiting", "Requests waiting for admission",
               registry=r).set_function(lambda: len(sched.waiting))
         Gauge("kvgen_sessions_open", "Open sessions", registry=r).set_function(lambda: len(gen.sessions))
-        # A counter only goes up: mirror the scheduler's count after each step.
-        preempt = Counter("kvgen_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
-        self._preempt = preempt
         self._sched = sched
-        self._seen_preemptions = 0
+        self._model = {h: h.labels(gen.cfg.name) for h in (self.ttft, self.tpot, self.duration)}
 
-    def sync(self) -> None:
+    def sync(self, *_) -> None:
+        """After each engine step (Engine.on_step)."""
         delta = self._sched.preemptions - self._seen_preemptions
         if delta > 0:
             self._preempt.inc(delta)
             self._seen_preemptions += delta
 
+    def observe(self, seq: Sequence) -> None:
+        """Once per request, when the engine releases it (Engine.on_release)."""
+        end = seq.finished_at or time.perf_counter()
+        m = self._model
+        m[self.duration].observe(end - seq.arrival)
+        if seq.admitted_at is not None:
+            self.queue.observe(seq.admitted_at - seq.arrival)
+        first = seq.first_token_at
+        if first is not None:
+            m[self.ttft].observe(first - seq.arrival)
+            self.prefill.observe(first - (seq.admitted_at or seq.arrival))
+            self.decode.observe(end - first)
+            if len(seq.output_ids) > 1:
+                m[self.tpot].observe((end - first) / (len(seq.output_ids) - 1))
+        self.prompt_tokens.inc(len(seq.prompt_ids))
+        self.cached_tokens.inc(seq.cached_tokens)
+        self.generation_tokens.inc(len(seq.output_ids))
+        if seq.finish_reason is not None:
+            self.finished.labels(FINISH_REASONS[seq.finish_reason]).inc()
+
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        return _HandledInterceptor(self.handled)
+
     def serve(self, port: int, host: str = "0.0.0.0"):
         return start_http_server(port, addr=host, registry=self.registry)
+
+
+class _HandledInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every RPC's final status code, as grpc-prometheus does."""
+
+    def __init__(self, counter: Counter):
+        self.counter = counter
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        service, _, method = details.method.lstrip("/").partition("/")
+        kind = ("unary" if not handler.request_streaming and not handler.response_streaming else
+                "server_stream" if not handler.request_streaming else
+                "client_stream" if not handler.response_streaming else "bidi_stream")
+        count = self.counter
+
+        def done(context, error: BaseException | None) -> None:
+            if isinstance(error, asyncio.CancelledError):
+                left = context.time_remaining()
+                code = "DEADLINE_EXCEEDED" if left is not None and left <= 0 else "CANCELLED"
+            else:
+                status = context.code()
+                code = status.name if isinstance(status, grpc.StatusCode) else (
+                    "OK" if error is None else "UNKNOWN")
+            count.labels(service, method, kind, code).inc()
+
+        if handler.response_streaming:
+            behavior = handler.unary_stream or handler.stream_stream
+
+            async def stream(request, context):
+                try:
+                    out = behavior(request, context)
+                    if hasattr(out, "__aiter__"):
+                        async for response in out:
+                            yield response
+                    else:  # a coroutine that writes through context.write (health Watch)
+                        await out
+                except BaseException as e:
+                    done(context, e)
+                    raise
+                done(context, None)
+
+            make = (grpc.unary_stream_rpc_method_handler if handler.unary_stream
+                    else grpc.stream_stream_rpc_method_handler)
+            return make(stream, handler.request_deserializer, handler.response_serializer)
+
+        behavior = handler.unary_unary or handler.stream_unary
+
+        async def unary(request, context):
+            try:
+                response = await behavior(request, context)
+            except BaseException as e:
+                done(context, e)
+                raise
+            done(context, None)
+            return response
+
+        make = (grpc.unary_unary_rpc_method_handler if handler.unary_unary
+                else grpc.stream_unary_rpc_method_handler)
+        return make(unary, handler.request_deserializer, handler.response_serializer)

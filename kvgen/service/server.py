@@ -9,11 +9,13 @@ import signal
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry import trace
 
 from kvgen.engine.generator import Generator
 from kvgen.service.config import Settings
 from kvgen.service.metrics import Metrics
 from kvgen.service.servicer import GeneratorServicer
+from kvgen.service.tracing import Tracing
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
@@ -51,20 +53,43 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
+def listen(engine, hook: str, fn) -> None:
+    """Add fn to one of the engine's hooks (on_step, on_submit, on_release), after what is there.
+    A failing listener is logged, never allowed to break the engine or the other listeners."""
+
+    def guarded(*args):
+        try:
+            fn(*args)
+        except Exception:
+            log.exception("engine %s listener %s failed", hook, getattr(fn, "__qualname__", fn))
+
+    prev = getattr(engine, hook)
+    setattr(engine, hook, guarded if prev is None else lambda *args: (prev(*args), guarded(*args)))
+
+
 class Server:
-    def __init__(self, settings: Settings, gen: Generator | None = None):
+    def __init__(self, settings: Settings, gen: Generator | None = None, tracing: Tracing | None = None):
+        """tracing: None reads OTEL_* from the environment (usually: off)."""
         self.settings = settings
         self._gen = gen  # tests hand in a ready engine
-        interceptors = [AuthInterceptor(settings.api_key)] if settings.api_key else []
+        self.tracing = tracing if tracing is not None else Tracing.from_env()
+        self.metrics = Metrics() if settings.metrics_port else None
+        self.metrics_server = None
+        interceptors = []
+        if self.tracing:  # outermost: the server span covers everything, refusals included
+            interceptors.append(self.tracing.interceptor())
+        if self.metrics:
+            interceptors.append(self.metrics.interceptor())
+        if settings.api_key:
+            interceptors.append(AuthInterceptor(settings.api_key))
         self.grpc = grpc.aio.server(interceptors=interceptors)
         self.servicer = GeneratorServicer()
+        self.servicer.tracing = self.tracing
         pb_grpc.add_GeneratorServicer_to_server(self.servicer, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         self.port = self.grpc.add_insecure_port(f"{settings.host}:{settings.port}")
-        self.metrics: Metrics | None = None
-        self.metrics_server = None
         self._stopped = asyncio.Event()
 
     async def _set_health(self, status) -> None:
@@ -77,13 +102,18 @@ class Server:
         log.info("listening on port %d; loading the model", self.port)
         gen = self._gen or await asyncio.to_thread(Generator.load, self.settings.model or None, self.settings.engine)
         self.servicer.gen = gen
-        if self.settings.metrics_port:
-            self.metrics = Metrics(gen)
-            gen.engine.on_step = lambda batch, seconds: self.metrics.sync()
+        if self.metrics:
+            self.metrics.bind(gen)
+            listen(gen.engine, "on_step", self.metrics.sync)
+            listen(gen.engine, "on_release", self.metrics.observe)
             self.metrics_server = self.metrics.serve(self.settings.metrics_port, self.settings.host)
+        if self.tracing:
+            listen(gen.engine, "on_submit", self.tracing.on_submit)
+            listen(gen.engine, "on_release", self.tracing.on_release)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_sessions())
-        log.info("serving %s on port %d (metrics on %s)", gen.cfg.name, self.port, self.settings.metrics_port)
+        log.info("serving %s on port %d (metrics on %s, tracing %s)", gen.cfg.name, self.port,
+                 self.settings.metrics_port, "on" if self.tracing else "off")
 
     async def _reap_sessions(self) -> None:
         while True:
@@ -102,6 +132,8 @@ class Server:
             await asyncio.to_thread(self.servicer.gen.close)
         if self.metrics_server:
             self.metrics_server[0].shutdown()
+        if self.tracing:
+            await asyncio.to_thread(self.tracing.shutdown)  # exports what is still buffered
         self._stopped.set()
 
     async def wait(self) -> None:
@@ -110,6 +142,8 @@ class Server:
 
 async def serve(settings: Settings) -> None:
     server = Server(settings)
+    if server.tracing:  # the process's tracer provider too, for anything else instrumented in it
+        trace.set_tracer_provider(server.tracing.provider)
     loop = asyncio.get_running_loop()
     draining = []
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import nullcontext
 
 import grpc
+from opentelemetry import trace
 
 from kvgen.engine.generator import Generator, InferenceSession, Result
 from kvgen.engine.sequence import Event
-from kvgen.service import convert
+from kvgen.service import convert, tracing
 from kvgen.service.errors import NotFound, Unavailable, abort, to_status
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
@@ -21,6 +23,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         self.gen: Generator | None = None  # set once the model is loaded
         self.draining = False
         self.session_locks: dict[str, asyncio.Lock] = {}
+        self.tracing: tracing.Tracing | None = None  # set by the server when tracing is on
 
     def _ready(self) -> Generator:
         if self.draining:
@@ -29,11 +32,36 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             raise Unavailable("the model is still loading")
         return self.gen
 
-    async def _events(self, req: pb.GenerateRequest, request_id: str) -> AsyncIterator[Event]:
-        """Run one request through the engine, yielding its events; leaving early cancels it."""
+    async def _events(self, req: pb.GenerateRequest, request_id: str, stream: bool = False,
+                      context=None) -> AsyncIterator[Event]:
+        """Run one request through the engine, yielding its events; leaving early cancels it.
+        The current span (the RPC's, or a batch entry's) gets the GenAI attributes."""
+        span = trace.get_current_span()
+        if not span.is_recording():
+            async for ev in self._request_events(req, request_id):
+                yield ev
+            return
+        model = self.gen.cfg.name if self.gen else ""
+        try:
+            async for ev in self._request_events(req, request_id, span, stream):
+                if ev.finish_reason is not None:
+                    tracing.end_request(span, ev, model)
+                yield ev
+        except asyncio.CancelledError as e:
+            left = context.time_remaining() if context else None
+            late = left is not None and left <= 0
+            tracing.record_error(span, e, code="DEADLINE_EXCEEDED" if late else None)
+            raise
+        except Exception as e:
+            tracing.record_error(span, e)
+            raise
+
+    async def _request_events(self, req, request_id: str, span=None, stream=False) -> AsyncIterator[Event]:
         gen = self._ready()
-        prompt = convert.prompt_of(req)
         params = convert.sampling_of(req)
+        if span is not None:
+            tracing.start_request(span, req, params, gen.cfg.name, request_id, stream, req.session_id)
+        prompt = convert.prompt_of(req)
         session = None
         if req.session_id:
             session = gen.get_session(req.session_id)
@@ -79,33 +107,35 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            result = await self._collect(request, request_id)
+            result = await self._collect(request, request_id, context=context)
         except Exception as e:
-            await abort(context, e)
+            await _abort(context, e)
         return convert.response(result, request_id, self.gen.tokenizer)
 
-    async def _collect(self, request, request_id) -> Result:
+    async def _collect(self, request, request_id, batched: bool = False, context=None) -> Result:
         result = Result()
-        async for ev in self._events(request, request_id):
-            result.add(ev)
+        with self.tracing.request_span(batched) if self.tracing else _NO_SPAN:
+            async for ev in self._events(request, request_id, context=context):
+                result.add(ev)
         return result
 
     async def GenerateStream(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            async for ev in self._events(request, request_id):
+            async for ev in self._events(request, request_id, stream=True, context=context):
                 yield convert.stream_message(ev, request_id, self.gen.tokenizer)
         except Exception as e:
-            await abort(context, e)
+            await _abort(context, e)
 
     async def BatchGenerate(self, request, context):
         try:
             self._ready()
         except Exception as e:
-            await abort(context, e)
+            await _abort(context, e)
         ids = [r.request_id or uuid.uuid4().hex for r in request.requests]
         # Every request is submitted before any is awaited, so the scheduler batches them.
-        outcomes = await asyncio.gather(*(self._collect(r, i) for r, i in zip(request.requests, ids, strict=True)),
+        outcomes = await asyncio.gather(*(self._collect(r, i, batched=True)
+                                          for r, i in zip(request.requests, ids, strict=True)),
                                         return_exceptions=True)
         results = []
         for out, rid in zip(outcomes, ids, strict=True):
@@ -121,7 +151,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             gen = self._ready()
         except Exception as e:
-            await abort(context, e)
+            await _abort(context, e)
         cfg = gen.cfg
         return pb.GetModelInfoResponse(
             name=cfg.name, architecture=cfg.architecture, context_length=cfg.context_length,
@@ -129,13 +159,13 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=gen.pool.fmt.name,
             weight_dtype=gen.model.weight_dtype, has_chat_template=gen.tokenizer.chat_template is not None,
             eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else -1,
-            kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device="cpu")
+            kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device))
 
     async def CreateSession(self, request, context):
         try:
             gen = self._ready()
         except Exception as e:
-            await abort(context, e)
+            await _abort(context, e)
         s = gen.new_session()
         return pb.CreateSessionResponse(session_id=s.session_id, ttl_seconds=int(gen.options.session_ttl_s))
 
@@ -150,7 +180,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         else:
             found = await asyncio.to_thread(gen.close_session, request.session_id)
         if not found:
-            await abort(context, NotFound(f"no session {request.session_id!r}"))
+            await _abort(context, NotFound(f"no session {request.session_id!r}"))
         return pb.CloseSessionResponse()
 
     def expire_sessions(self) -> None:
@@ -159,3 +189,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             live = set(self.gen.sessions)
             for sid in [s for s in self.session_locks if s not in live]:
                 self.session_locks.pop(sid, None)
+
+
+_NO_SPAN = nullcontext()
+
+
+async def _abort(context, e: Exception):
+    """abort() with the status also on the RPC's span (the interceptor can't see abort_with_status)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        tracing.record_error(span, e, rpc=True)
+    await abort(context, e)
