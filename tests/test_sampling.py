@@ -66,3 +66,11 @@ def test_logprobs_are_of_the_model_distribution():
     assert abs(out[0].logprob - logp[0].max().item()) < 1e-6
     assert [t for t, _ in out[0].top] == logp[0].topk(3).indices.tolist()
     assert out[1].top is None
+
+
+def test_settings_from_env_parse_types():
+    from kvgen.service.config import Settings
+
+    s = Settings.from_env({"PORT": "6000", "CUDA_GRAPHS": "0", "KV_DTYPE": "fp8", "KV_CACHE_MB": "64.5"})
+    assert (s.port, s.engine.cuda_graphs, s.engine.kv_dtype, s.engine.kv_cache_mb) == (6000, False, "fp8", 64.5)
+    assert Settings.from_env({"CUDA_GRAPHS": "true"}).engine.cuda_graphs is True

@@ -1,6 +1,8 @@
 """Attention over the paged KV cache: the PyTorch reference that the CPU path runs.
 
-The GPU path plugs into `attend` with the same arguments (kvgen.gpu.ops.flash_decode).
+On CUDA, decode steps without a window / chunk over a format the kernels support go to
+kvgen.gpu.ops.flash_decode (`attend` dispatches); everything else runs the torch code below on
+whatever device q is on.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.engine.kv.formats import KVFormat
+from kvgen.gpu import ops as gpu_ops  # imports without CuPy; only called on CUDA tensors
 
 
 @dataclass(slots=True)
@@ -29,6 +32,9 @@ class Step:
     kv_starts: list[int] | None = None  # position of each table's first key (blocks before it freed)
     window: int = 0  # sliding window: a query sees the last `window` positions (0 = all)
     chunk: int = 0  # chunked attention: a query sees its own chunk of `chunk` positions (0 = off)
+    # (block tables, context lens) as int32 on q's device for flash_decode: made by the first
+    # layer that needs them, reused by the others
+    kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -38,6 +44,8 @@ class Step:
 def attend(q: torch.Tensor, fmt: KVFormat, store: dict, layer: int, step: Step) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D], reading K/V (already written) through the block tables."""
     if step.is_decode:
+        if q.is_cuda and _flash_ok(fmt, step):
+            return _flash_decode(q, fmt, store, layer, step)
         return _decode(q, fmt, store, layer, step)
     out = []
     start = 0
@@ -45,15 +53,17 @@ def attend(q: torch.Tensor, fmt: KVFormat, store: dict, layer: int, step: Step) 
         k0 = step.kv_starts[i] if step.kv_starts else 0
         n_keys = ctx - k0
         k, v = fmt.read(store, layer, step.block_tables[i, : -(-n_keys // fmt.block_size)])
-        k = k.reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:n_keys].transpose(0, 1)  # [KVH, L, D]
-        v = v.reshape(-1, fmt.num_kv_heads, fmt.head_dim)[:n_keys].transpose(0, 1)
-        qi = q[start:start + n].transpose(0, 1)  # [H, n, D]
+        # 4-D inputs: only they reach torch's CPU flash kernel (3-D falls back to the math path).
+        k = k.reshape(1, -1, fmt.num_kv_heads, fmt.head_dim)[:, :n_keys].transpose(1, 2)  # [1, KVH, L, D]
+        v = v.reshape(1, -1, fmt.num_kv_heads, fmt.head_dim)[:, :n_keys].transpose(1, 2)
+        qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if n == ctx and not (step.window or step.chunk):
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=True)
         else:
-            mask = visible(torch.arange(ctx - n, ctx), torch.arange(k0, ctx), step)
+            dev = q.device
+            mask = visible(torch.arange(ctx - n, ctx, device=dev), torch.arange(k0, ctx, device=dev), step)
             o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
-        out.append(o.transpose(0, 1))
+        out.append(o[0].transpose(0, 1))
         start += n
     return torch.cat(out) if len(out) > 1 else out[0]
 
@@ -67,6 +77,20 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, step: Step) -> torch.Tenso
     if step.chunk:
         mask &= kp >= qp - qp % step.chunk
     return mask
+
+
+def _flash_ok(fmt, step: Step) -> bool:
+    return fmt.name in gpu_ops.FORMATS and not (step.window or step.chunk or step.kv_starts)
+
+
+def _flash_decode(q, fmt, store, layer, step):
+    if step.kernel_args is None:
+        step.kernel_args = (step.block_tables.to(device=q.device, dtype=torch.int32),
+                            torch.tensor(step.context_lens, dtype=torch.int32).to(q.device))
+    tables, lens = step.kernel_args
+    # K/V of the new token is already written (Model.forward writes before attending), so the
+    # lengths include it: len_offset 0.
+    return gpu_ops.flash_decode(q, fmt, store, layer, tables, lens)
 
 
 def _decode(q, fmt, store, layer, step):
@@ -87,12 +111,13 @@ def _decode(q, fmt, store, layer, step):
     qg = q.view(B, kvh, H // kvh, D)
     scores = torch.matmul(qg, k) * (1.0 / math.sqrt(D))  # [B, KVH, G, L]
     if step.window or step.chunk:
-        k_pos = torch.tensor(starts)[:, None] + torch.arange(max_keys)[None, :]
-        q_pos = torch.tensor(step.context_lens)[:, None] - 1
-        keep = visible(q_pos, k_pos, step)[:, 0] & (k_pos < torch.tensor(step.context_lens)[:, None])
+        dev = q.device
+        k_pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(max_keys, device=dev)[None, :]
+        q_pos = torch.tensor(step.context_lens, device=dev)[:, None] - 1
+        keep = visible(q_pos, k_pos, step)[:, 0] & (k_pos < torch.tensor(step.context_lens, device=dev)[:, None])
         scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
     else:
-        pad = torch.arange(max_keys)[None, :] >= torch.tensor(n_keys)[:, None]
+        pad = torch.arange(max_keys, device=q.device)[None, :] >= torch.tensor(n_keys, device=q.device)[:, None]
         scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return torch.matmul(probs, v).view(B, H, D)

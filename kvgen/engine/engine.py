@@ -6,6 +6,7 @@ model work; they submit sequences and receive Events through each sequence's `em
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ import time
 import torch
 
 from kvgen.engine.attention import Step
+from kvgen.engine.cuda_decode import CudaDecoder
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import sample
@@ -23,8 +25,10 @@ log = logging.getLogger("kvgen.engine")
 
 
 class Engine:
-    def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler, window: int = 0, chunk: int = 0):
+    def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler, window: int = 0, chunk: int = 0,
+                 cuda_graphs: bool = True):
         self.model = model
+        self.device = model.device  # where the model, the pool and a step's tensors live
         self.window = window  # sliding-window attention: blocks behind the window are freed
         self.chunk = chunk  # chunked attention: blocks of finished chunks are freed
         self.pool = pool
@@ -38,6 +42,13 @@ class Engine:
         self.on_step = None  # fn(batch, seconds): metrics and tracing hook
         self.on_submit = None  # fn(seq), caller's thread, before the engine sees seq: tracing
         self.on_release = None  # fn(seq), engine thread, once seq's KV is let go: metrics, tracing
+        # On CUDA, decode steps run through the GPU kernels (CUDA graphs unless cuda_graphs is
+        # off); prefill, mixed steps and what the kernels do not cover run Model.forward there.
+        self.decoder: CudaDecoder | None = None
+        if self.device.type == "cuda" and CudaDecoder.supports(pool.fmt, model.cfg.head_dim, window, chunk):
+            width = min(pool.capacity, -(-model.cfg.context_length // pool.block_size))
+            self.decoder = CudaDecoder(model, pool.fmt, pool.store, width=width, graphs=cuda_graphs,
+                                       max_rows=scheduler.max_running)
 
     # called from any thread
 
@@ -95,6 +106,8 @@ class Engine:
     # the engine thread
 
     def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread starts on device 0
         while True:
             with self._cv:
                 while not (self._stop or self._cancelled or self._calls or not self.idle):
@@ -133,6 +146,37 @@ class Engine:
             time.sleep(0.001)  # blocked on KV room; finished sequences will make some
             return
         t0 = time.perf_counter()
+        if self.decoder is not None and all(n == 1 for _, n in batch):
+            logits = self._decode_gpu(batch, t0)
+        else:
+            logits = self._forward(batch, t0)
+        if logits.is_cuda:
+            logits = logits.cpu()  # sampling runs on the CPU (per-sequence torch.Generators)
+        for seq, n in batch:
+            seq.cache.advance(n)
+            if self.window or self.chunk:
+                seq.cache.drop_before(self._oldest_needed(seq.cache.length))
+        ready = [i for i, (seq, _) in enumerate(batch) if seq.pending == 0]
+        if ready:
+            seqs = [batch[i][0] for i in ready]
+            picked = sample(logits[ready], [s.params for s in seqs], [s.generator for s in seqs],
+                            [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs])
+            for seq, s in zip(seqs, picked, strict=True):
+                if seq.cancelled or seq.finished:
+                    continue
+                seq.on_token(s)
+                if not seq.finished and seq.num_tokens >= self.model.cfg.context_length:
+                    seq.finish(FinishReason.LENGTH)
+                if seq.finished:
+                    with self._cv:
+                        self.scheduler.drop(seq)
+                    self._release(seq)
+        self.steps += 1
+        if self.on_step:
+            self.on_step(batch, time.perf_counter() - t0)
+
+    def _forward(self, batch, t0: float) -> torch.Tensor:
+        """Model.forward over the batch (any mix of prefill chunks and decode tokens)."""
         ids, positions, blocks, offsets, qlens, ctx, rows, tables, starts = [], [], [], [], [], [], [], [], []
         row = -1
         for seq, n in batch:
@@ -164,29 +208,20 @@ class Engine:
             window=self.window,
             chunk=self.chunk,
         )
-        logits = self.model.forward(torch.tensor(ids), step, self.pool.fmt, self.pool.store)
-        for seq, n in batch:
-            seq.cache.advance(n)
-            if self.window or self.chunk:
-                seq.cache.drop_before(self._oldest_needed(seq.cache.length))
-        ready = [i for i, (seq, _) in enumerate(batch) if seq.pending == 0]
-        if ready:
-            seqs = [batch[i][0] for i in ready]
-            picked = sample(logits[ready], [s.params for s in seqs], [s.generator for s in seqs],
-                            [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs])
-            for seq, s in zip(seqs, picked, strict=True):
-                if seq.cancelled or seq.finished:
-                    continue
-                seq.on_token(s)
-                if not seq.finished and seq.num_tokens >= self.model.cfg.context_length:
-                    seq.finish(FinishReason.LENGTH)
-                if seq.finished:
-                    with self._cv:
-                        self.scheduler.drop(seq)
-                    self._release(seq)
-        self.steps += 1
-        if self.on_step:
-            self.on_step(batch, time.perf_counter() - t0)
+        input_ids = torch.tensor(ids)
+        if self.device.type != "cpu":
+            step, input_ids = _to_device(step, self.device), input_ids.to(self.device)
+        return self.model.forward(input_ids, step, self.pool.fmt, self.pool.store)
+
+    def _decode_gpu(self, batch, t0: float) -> torch.Tensor:
+        """One token per sequence through the CUDA decoder (kernels, CUDA graphs)."""
+        rows = []
+        for seq, _ in batch:
+            if seq.admitted_at is None:
+                seq.admitted_at = t0
+            cache = seq.cache
+            rows.append((seq.tokens[cache.length], cache.length, cache.blocks))
+        return self.decoder(rows)
 
     def _oldest_needed(self, next_pos: int) -> int:
         """The oldest position a query at next_pos or later can still attend to."""
@@ -209,3 +244,10 @@ class Engine:
         if self.on_release:
             self.on_release(seq)
         seq.done.set()
+
+
+def _to_device(step: Step, device: torch.device) -> Step:
+    return dataclasses.replace(
+        step, positions=step.positions.to(device), write_blocks=step.write_blocks.to(device),
+        write_offsets=step.write_offsets.to(device), block_tables=step.block_tables.to(device),
+        logits_rows=step.logits_rows.to(device))

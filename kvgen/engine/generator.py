@@ -14,24 +14,24 @@ from dataclasses import dataclass, field
 import torch
 
 from kvgen.engine import loader
+from kvgen.engine.engine import Engine
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.scheduler import Scheduler
-from kvgen.engine.engine import Engine
 from kvgen.engine.sequence import Event, FinishReason, Sequence, Usage
 from kvgen.engine.tokenizer import TextTokenizer
 
 Prompt = str | list[dict] | list[int]
 
 
-def load_model(path: str, weight_dtype: str = "fp32") -> tuple[Model, TextTokenizer]:
+def load_model(path: str, weight_dtype: str = "fp32", device: str = "cpu") -> tuple[Model, TextTokenizer]:
     cfg, weights, src = loader.load(path)
     tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
                  else TextTokenizer.from_folder(src["folder"]))
-    return Model(cfg, weights, weight_dtype), tokenizer
+    return Model(cfg, weights, weight_dtype, device), tokenizer
 
 
 class InvalidRequest(ValueError):
@@ -66,7 +66,7 @@ class Result:
 class EngineOptions:
     weight_dtype: str = "fp32"
     kv_dtype: str = "fp32"
-    kv_cache_mb: float = 512
+    kv_cache_mb: float = 512.0
     block_size: int = 16
     token_budget: int = 512
     max_running: int = 64
@@ -75,6 +75,8 @@ class EngineOptions:
     threads: int = 0  # 0 = every core
     attention_window: int = 0  # sliding-window attention (0: the model's own, if any)
     attention_chunk: int = 0  # chunked attention: each query sees only its own chunk
+    device: str = "cpu"  # where load() puts the model and the KV pool: "cpu" or "cuda[:i]"
+    cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs (False: the same step, eagerly)
 
 
 class Generator:
@@ -88,10 +90,15 @@ class Generator:
         self.model = model
         fmt = make_format(opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
                           compute_dtype=model.act_dtype)
-        self.pool = BlockPool.from_budget(fmt, opts.kv_cache_mb)
+        if opts.kv_dtype == "q3":  # codebooks fitted on the model's own K/V, before any block is written
+            from kvgen.engine.kv.calibrate import calibrate_format
+            calibrate_format(model, fmt, tokenizer)
+        # The pool lives with the model (options.device only says where load() puts the model).
+        self.pool = BlockPool.from_budget(fmt, opts.kv_cache_mb, model.device)
         self.scheduler = Scheduler(opts.token_budget, opts.max_running, opts.max_waiting, reclaim=self._reclaim)
         window = opts.attention_window or cfg.sliding_window or 0
-        self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk)
+        self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
+                             cuda_graphs=opts.cuda_graphs)
         self.sessions: dict[str, InferenceSession] = {}
         self._sessions_lock = threading.Lock()
         self.engine.start()
@@ -102,7 +109,7 @@ class Generator:
         opts = options or EngineOptions()
         torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
         path = model_path or loader.embedded_model_path()
-        model, tokenizer = load_model(path, opts.weight_dtype)
+        model, tokenizer = load_model(path, opts.weight_dtype, opts.device)
         return cls(model, tokenizer, opts, path)
 
     def close(self) -> None:

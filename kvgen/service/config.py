@@ -21,10 +21,18 @@ class Settings:
     @classmethod
     def from_env(cls, env=os.environ) -> Settings:
         s = cls()
-        for f in fields(cls):
-            if f.name != "engine" and f.name.upper() in env and env[f.name.upper()] != "":
-                setattr(s, f.name, type(getattr(s, f.name))(env[f.name.upper()]))
-        for f in fields(EngineOptions):
-            if f.name.upper() in env and env[f.name.upper()] != "":
-                setattr(s.engine, f.name, type(getattr(s.engine, f.name))(env[f.name.upper()]))
+        for target, names in ((s, [f.name for f in fields(cls) if f.name != "engine"]),
+                              (s.engine, [f.name for f in fields(EngineOptions)])):
+            for name in names:
+                raw = env.get(name.upper(), "")
+                if raw != "":
+                    setattr(target, name, _parse(raw, type(getattr(target, name))))
         return s
+
+
+def _parse(raw: str, kind: type):
+    if kind is bool:  # bool("0") is True
+        if raw.lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ValueError(f"expected a boolean, got {raw!r}")
+        return raw.lower() in ("1", "true", "yes", "on")
+    return kind(raw)
