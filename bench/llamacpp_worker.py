@@ -37,8 +37,8 @@ def _argmax_last(llm, np, llama_cpp) -> int:
 
 def main() -> None:
     req = json.load(sys.stdin)
-    import numpy as np
     import llama_cpp
+    import numpy as np
 
     threads = int(req.get("threads") or os.cpu_count() or 1)
     prompt = [int(t) for t in req["prompt"]]

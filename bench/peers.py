@@ -233,7 +233,10 @@ def llamacpp_prefill_decode(prompt: list[int], new_tokens: int = 128, repeats: i
 
 
 if __name__ == "__main__":
-    print(f"model {model_path()}  cores {cores()}  torch threads {torch.get_num_threads()}", flush=True)
+    # Other processes on the 2 cores ruin these numbers (OpenMP threads wait on a preempted
+    # peer): the load average is printed at the start and end so a run can be judged.
+    print(f"model {model_path()}  cores {cores()}  torch threads {torch.get_num_threads()}"
+          f"  loadavg {os.getloadavg()}", flush=True)
     p = prompt_ids(512)
     print(f"prompt {len(p)} tokens, first {p[:8]}", flush=True)
     for dt in (torch.float32, torch.bfloat16):
@@ -247,4 +250,5 @@ if __name__ == "__main__":
     for b in (1, 4, 16, 32):
         tps = transformers_batched_decode(torch.float32, b)
         print(f"transformers fp32 batched generate  batch {b:2d}: {tps:8.1f} tok/s aggregate", flush=True)
+    print(f"loadavg at end {os.getloadavg()}", flush=True)
     sys.exit(0)

