@@ -47,6 +47,12 @@ buyers and sellers respond to the price, which economists call elasticity.
 """
 
 
+# Start-up cost vs fit: on SmolLM2-135M's K/V (352 tokens, ~68K values per layer and k|v), a
+# 16K-value subsample and 30 Lloyd rounds cost ~20x less than the defaults (all values, 100
+# rounds) and lose 1.2 points of the 14.5% weighted-error reduction over the normal codebook.
+FIT_OPTS = {"max_samples": 1 << 14, "iters": 30}
+
+
 def collect_kv(model, ids: list[int], block_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Run ids through the model in one prefill over an fp32 cache; K, V [tokens, kvh, hd] per layer."""
     cfg = model.cfg
@@ -79,6 +85,6 @@ def calibrate_format(model, fmt: KVFormat, tokenizer=None, ids: list[int] | None
     if ids is None:
         ids = tokenizer.encode(CALIBRATION_TEXT)
     for layer, (k, v) in enumerate(collect_kv(model, ids, fmt.block_size)):
-        fmt.calibrate(layer, 0, k)
-        fmt.calibrate(layer, 1, v)
+        fmt.calibrate(layer, 0, k, **FIT_OPTS)
+        fmt.calibrate(layer, 1, v, **FIT_OPTS)
     return True

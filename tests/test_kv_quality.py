@@ -1,0 +1,68 @@
+"""Each KV storage format keeps the embedded model's perplexity within issue 4's bounds of fp32.
+
+A short version of bench/kv.py (same evaluation functions): the first TOKENS tokens of the
+bench text, teacher-forced in 16-token chunks so attention reads the quantized cache, and
+greedy agreement of fp16 / fp8 with fp32 on two prompts (reported, not asserted: one near-tie
+in the logits can end an agreeing prefix early without anything being wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.kv import BOUNDS, agreement, eval_format, greedy, perplexity
+from bench.kv_text import EVAL_TEXT, PROMPTS
+
+TOKENS = 352
+GREEDY_PROMPTS = PROMPTS[:2]
+GREEDY_TOKENS = 64
+
+# Formats that miss their bound today (bench/results/kv.md has the numbers and the cause: the
+# per-token key scales; values alone quantize fine). strict: a fix makes these XPASS, which
+# fails, so the marker comes off with the fix.
+KNOWN_MISSES = {
+    "q4": "q4 keys per token: ~+15% perplexity here (bound 5%); see bench/results/kv.md",
+    "q3": "q3 keys per token: ~+48% perplexity here (bound 10%); see bench/results/kv.md",
+}
+
+
+@pytest.fixture(scope="module")
+def reference(embedded):
+    model, tok = embedded
+    ids = tok.encode(EVAL_TEXT)[:TOKENS]
+    prompts = [tok.encode(p) for p in GREEDY_PROMPTS]
+    fmt = eval_format(model, "fp32", tok)
+    return ids, prompts, perplexity(model, ids, fmt), greedy(model, prompts, fmt, GREEDY_TOKENS)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n])) if n in KNOWN_MISSES else n
+    for n in ("fp16", "bf16", "fp8", "q4", "q3")
+])
+def test_perplexity_within_bound(embedded, reference, name):
+    model, tok = embedded
+    ids, prompts, ppl32, cont32 = reference
+    fmt = eval_format(model, name, tok)
+    ppl = perplexity(model, ids, fmt)
+    rel = ppl / ppl32 - 1
+    msg = f"{name}: perplexity {ppl:.4f} vs fp32 {ppl32:.4f} ({rel:+.3%}, bound {BOUNDS[name]:.1%})"
+    if name in ("fp16", "fp8"):
+        agree = agreement(greedy(model, prompts, fmt, GREEDY_TOKENS), cont32)
+        msg += f"; greedy prefix equal to fp32: {agree} of {GREEDY_TOKENS}"
+    print(msg)
+    assert abs(rel) <= BOUNDS[name], msg
+
+
+def test_generator_fits_q3_codebooks_at_start_up(make_gen):
+    from kvgen.engine.kv import quant
+    from kvgen.engine.sampling import SamplingParams
+
+    gen = make_gen(kv_dtype="q3", kv_cache_mb=8)
+    cb = gen.pool.fmt.codebook  # [layers, k|v, 8]
+    normal = quant.normal_codebook()
+    fitted = [not torch.equal(cb[layer, kv], normal) for layer in range(cb.shape[0]) for kv in range(2)]
+    assert all(fitted), f"{fitted.count(False)} codebooks left at the normal quantiles"
+    assert (cb[..., 0] == -1).all() and (cb[..., -1] == 1).all()
+    out = gen.generate("The capital of France is", SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
