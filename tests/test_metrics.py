@@ -55,7 +55,14 @@ def test_histograms_and_counters_move(server, stub):
     def delta(m, name, **labels):
         return value(m, name, **labels) - value(before, name, **labels)
 
-    after = wait_for(server, lambda m: delta(m, "gen_ai_server_request_duration_seconds_count") >= 3)
+    ok = dict(grpc_service="kvgen.v1.Generator", grpc_code="OK")
+    # The server records an RPC's code after the client has its answer: wait for all of them.
+    after = wait_for(server, lambda m: delta(m, "gen_ai_server_request_duration_seconds_count") >= 3
+                     and delta(m, "grpc_server_handled_total", grpc_method="Generate", grpc_type="unary", **ok) >= 2
+                     and delta(m, "grpc_server_handled_total", grpc_method="GenerateStream",
+                               grpc_type="server_stream", **ok) >= 1
+                     and delta(m, "grpc_server_handled_total", grpc_method="Generate",
+                               grpc_code="INVALID_ARGUMENT") >= 1)
     for h in HISTOGRAMS:  # the stop-string request ends at its first token: no time per output token
         assert delta(after, f"{h}_count") == (2 if "per_output" in h else 3), h
         assert delta(after, f"{h}_sum") > 0, h
@@ -72,7 +79,6 @@ def test_histograms_and_counters_move(server, stub):
     assert delta(after, "kvgen_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 10
     assert delta(after, "kvgen_requests_finished_total", finish_reason="length") == 2
     assert delta(after, "kvgen_requests_finished_total", finish_reason="stop") == 1
-    ok = dict(grpc_service="kvgen.v1.Generator", grpc_code="OK")
     assert delta(after, "grpc_server_handled_total", grpc_method="Generate", grpc_type="unary", **ok) == 2
     assert delta(after, "grpc_server_handled_total", grpc_method="GenerateStream", grpc_type="server_stream",
                  **ok) == 1
