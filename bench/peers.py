@@ -142,9 +142,7 @@ def _eos_free_generate(model, ids: torch.Tensor, new_tokens: int) -> torch.Tenso
     )
 
 
-def transformers_prefill_decode(
-    dtype: torch.dtype, prompt: list[int], new_tokens: int = 128, repeats: int = 3
-) -> dict:
+def transformers_prefill_decode(dtype: torch.dtype, prompt: list[int], new_tokens: int = 128, repeats: int = 3) -> dict:
     """Batch-1 prefill and decode tokens/s of transformers on the GGUF, dequantised to `dtype`.
 
     prefill_tps: len(prompt) / best time of one no-grad forward (use_cache=True) over the
@@ -166,9 +164,7 @@ def transformers_prefill_decode(
     }
 
 
-def transformers_batched_decode(
-    dtype: torch.dtype, batch: int, new_tokens: int = 64, repeats: int = 2
-) -> float:
+def transformers_batched_decode(dtype: torch.dtype, batch: int, new_tokens: int = 64, repeats: int = 2) -> float:
     """Aggregate tokens/s (batch * new_tokens / wall time) of one batched greedy generate().
 
     Rows are distinct BATCH_PROMPT_TOKENS-token windows of the prompt text, all the same
@@ -235,17 +231,25 @@ def llamacpp_prefill_decode(prompt: list[int], new_tokens: int = 128, repeats: i
 if __name__ == "__main__":
     # Other processes on the 2 cores ruin these numbers (OpenMP threads wait on a preempted
     # peer): the load average is printed at the start and end so a run can be judged.
-    print(f"model {model_path()}  cores {cores()}  torch threads {torch.get_num_threads()}"
-          f"  loadavg {os.getloadavg()}", flush=True)
+    print(
+        f"model {model_path()}  cores {cores()}  torch threads {torch.get_num_threads()}  loadavg {os.getloadavg()}",
+        flush=True,
+    )
     p = prompt_ids(512)
     print(f"prompt {len(p)} tokens, first {p[:8]}", flush=True)
     for dt in (torch.float32, torch.bfloat16):
         r = transformers_prefill_decode(dt, p)
-        print(f"transformers {str(dt):15s} prefill {r['prefill_tps']:8.1f} tok/s  decode {r['decode_tps']:6.1f} tok/s", flush=True)
+        print(
+            f"transformers {str(dt):15s} prefill {r['prefill_tps']:8.1f} tok/s  decode {r['decode_tps']:6.1f} tok/s",
+            flush=True,
+        )
     lc = llamacpp_prefill_decode(p)
     if lc is not None:
-        print(f"llama.cpp {'Q4_1':18s} prefill {lc['prefill_tps']:8.1f} tok/s  decode {lc['decode_tps']:6.1f} tok/s"
-              f"  (in llama_decode: {lc['decode_tps_engine']})", flush=True)
+        print(
+            f"llama.cpp {'Q4_1':18s} prefill {lc['prefill_tps']:8.1f} tok/s  decode {lc['decode_tps']:6.1f} tok/s"
+            f"  (in llama_decode: {lc['decode_tps_engine']})",
+            flush=True,
+        )
         print(json.dumps(lc), flush=True)
     for b in (1, 4, 16, 32):
         tps = transformers_batched_decode(torch.float32, b)
