@@ -36,10 +36,6 @@ class Step:
     # layer that needs them, reused by the others
     kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
 
 def attend(q: torch.Tensor, fmt: KVFormat, store: dict, layer: int, step: Step) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D], reading K/V (already written) through the block tables."""
