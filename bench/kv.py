@@ -70,6 +70,7 @@ class Emulated(KVFormat):
         if channel_k_bits and not recent_fp32:
             raise ValueError("per-channel keys are emulated with the recent block in fp32 only")
         self.inner, self.recent_fp32, self.exact, self.channel_k_bits = inner, recent_fp32, exact, channel_k_bits
+        self.qk_scale = inner.qk_scale  # the model equalises keys for the inner format
         parts = [inner.name]
         if channel_k_bits:
             parts.append(f"{channel_k_bits}-bit per-channel K")

@@ -31,7 +31,7 @@ def snapshot(cache: PagedKVCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def cold_files(tiers: TieredKV) -> list[str]:
-    return sorted(os.listdir(tiers.cold_dir)) if os.path.isdir(tiers.cold_dir) else []
+    return sorted(os.listdir(tiers.cold_dir)) if tiers.cold_dir and os.path.isdir(tiers.cold_dir) else []
 
 
 @pytest.mark.parametrize("name", KV_DTYPES)

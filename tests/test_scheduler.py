@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import urllib.request
@@ -11,6 +12,7 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from kvgen.client import Client, request
+from kvgen.engine.kv.tiers import Tier
 from kvgen.engine.sampling import SamplingParams
 from kvgen.v1 import generate_pb2 as pb
 
@@ -133,22 +135,53 @@ def test_session_two_turns_equal_the_full_conversation(server, stub):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
-def test_idle_sessions_expire_and_are_evicted_before_refusing(gen, make_gen):
-    g = make_gen(kv_cache_mb=12 * gen.pool.fmt.bytes_per_block() / 2**20, session_ttl_s=60)
-    assert g.pool.capacity == 12
+def _two_turns(g, turn1_then=None):
+    greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
     s = g.new_session()
-    s.generate(list(range(100, 140)), SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True))
-    held = g.pool.used
-    assert held > 0
-    # a request that needs the session's blocks evicts its cache instead of waiting forever
+    first = s.generate(list(range(100, 140)), greedy)
+    if turn1_then:
+        turn1_then(s)
+    second = s.generate(list(range(140, 150)), greedy)
+    return s, first, second
+
+
+def _push_out(g, s):
+    """A request that needs the idle session's blocks: they leave the pool, the session keeps
+    its tokens (nothing waits forever, nothing is lost)."""
     big = (g.pool.capacity - 1) * g.pool.block_size - 16
     r = g.generate(list(range(200, 200 + big)), SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True))
-    assert r.finish_reason is not None and s.cache.length == 0
-    # and the evicted session still works (recomputed, nothing cached)
-    r2 = s.generate(list(range(140, 150)), SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
-    assert r2.usage.cached_tokens == 0 and len(r2.token_ids) == 4
+    assert r.finish_reason is not None and len(r.token_ids) == 8
+    assert g.tiers.parked(s.cache) > 0
+
+
+@pytest.mark.parametrize("warm_mb", [256.0, 0.0], ids=["warm", "cold"])
+def test_idle_session_moves_down_a_tier_and_resumes_exactly(gen, make_gen, warm_mb):
+    _, ref1, ref2 = _two_turns(gen)  # a pool that never runs short
+    g = make_gen(kv_cache_mb=12 * gen.pool.fmt.bytes_per_block() / 2**20, session_ttl_s=60, kv_warm_mb=warm_mb)
+    assert g.pool.capacity == 12
+    cold_dirs, cached = [], []
+
+    def squeeze(s):
+        cached.append(s.cache.length)
+        _push_out(g, s)
+        assert s.cache.length == cached[0]
+        down = Tier.WARM if warm_mb else Tier.COLD
+        tiers = {g.tiers.tier(s.cache, i) for i in range(4)}  # only as many as the request needed moved
+        assert down in tiers and tiers <= {Tier.HOT, down}, tiers
+        if not warm_mb:
+            cold_dirs.append(g.tiers.cold_dir)
+            assert len(os.listdir(g.tiers.cold_dir)) == g.tiers.parked(s.cache)
+
+    s, first, second = _two_turns(g, squeeze)
+    assert first.token_ids == ref1.token_ids
+    # the next turn brought the blocks back and reused every cached token: same tokens as never moved
+    assert cached[0] >= 55 and second.usage.cached_tokens == cached[0]
+    assert second.token_ids == ref2.token_ids
+    assert g.tiers.parked(s.cache) == 0
     assert g.expire_sessions(now=time.monotonic() + 3600) == 1
     assert g.pool.used == 0 and not g.sessions
+    g.close()
+    assert all(not os.path.exists(d) for d in cold_dirs)  # the temp cold dir goes with the server
 
 
 def test_metrics_after_streams_end(server, stub):

@@ -139,6 +139,8 @@ class CudaDecoder:
             x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
             qkv = layer.qkv(x).view(b, -1, cfg.head_dim)
             qk = apply_rope(qkv[:, :nq + nkv], rot)
+            if fmt.qk_scale is not None:  # as Model.forward
+                qk = qk * fmt.qk_scale[i]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
             k_ops.kv_append(fmt, store, i, k, v, tables, seq_lens)  # at position seq_lens[row]
             a = k_ops.flash_decode(q, fmt, store, i, tables, seq_lens, len_offset=1)  # + the new token

@@ -17,17 +17,23 @@ from kvgen.engine import loader
 from kvgen.engine.engine import Engine
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
-from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.pool import BlockPool, PoolExhausted
+from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Event, FinishReason, Sequence, Usage
+from kvgen.engine.threads import in_fresh_thread
 from kvgen.engine.tokenizer import TextTokenizer
 
 Prompt = str | list[dict] | list[int]
 
 
 def load_model(path: str, weight_dtype: str = "fp32", device: str = "cpu") -> tuple[Model, TextTokenizer]:
+    return in_fresh_thread(_load_model, path, weight_dtype, device)  # see threads.py
+
+
+def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextTokenizer]:
     cfg, weights, src = loader.load(path)
     tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
                  else TextTokenizer.from_folder(src["folder"]))
@@ -65,18 +71,31 @@ class Result:
 @dataclass(slots=True)
 class EngineOptions:
     weight_dtype: str = "fp32"
-    kv_dtype: str = "fp32"
+    kv_dtype: str = "auto"  # plain storage in the activations' dtype (fp32 weights: fp32; others: bf16)
     kv_cache_mb: float = 512.0
     block_size: int = 16
     token_budget: int = 512
     max_running: int = 64
     max_waiting: int = 256
     session_ttl_s: float = 600
+    kv_warm_mb: float = 256.0  # host memory for idle sessions' blocks pushed out of the pool; beyond it, disk
+    kv_cold_dir: str = ""  # where cold blocks go (empty: a temp dir, removed on close)
     threads: int = 0  # 0 = every core
     attention_window: int = 0  # sliding-window attention (0: the model's own, if any)
     attention_chunk: int = 0  # chunked attention: each query sees only its own chunk
     device: str = "cpu"  # where load() puts the model and the KV pool: "cpu" or "cuda[:i]"
     cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs (False: the same step, eagerly)
+
+
+def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:
+    cfg = model.cfg
+    fmt = make_format(opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
+                      compute_dtype=model.act_dtype)
+    if opts.kv_dtype == "q3":  # codebooks fitted on the model's own K/V, before any block is written
+        from kvgen.engine.kv.calibrate import calibrate_format
+        calibrate_format(model, fmt, tokenizer)
+    # The pool lives with the model (options.device only says where load() puts the model).
+    return BlockPool.from_budget(fmt, opts.kv_cache_mb, model.device)
 
 
 class Generator:
@@ -88,13 +107,8 @@ class Generator:
         self.cfg = cfg = model.cfg
         self.tokenizer = tokenizer
         self.model = model
-        fmt = make_format(opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
-                          compute_dtype=model.act_dtype)
-        if opts.kv_dtype == "q3":  # codebooks fitted on the model's own K/V, before any block is written
-            from kvgen.engine.kv.calibrate import calibrate_format
-            calibrate_format(model, fmt, tokenizer)
-        # The pool lives with the model (options.device only says where load() puts the model).
-        self.pool = BlockPool.from_budget(fmt, opts.kv_cache_mb, model.device)
+        self.pool = in_fresh_thread(_make_pool, model, tokenizer, opts)  # see threads.py
+        self.tiers = TieredKV(self.pool, cold_dir=opts.kv_cold_dir or None)  # lossless: raw bytes
         self.scheduler = Scheduler(opts.token_budget, opts.max_running, opts.max_waiting, reclaim=self._reclaim)
         window = opts.attention_window or cfg.sliding_window or 0
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
@@ -114,6 +128,7 @@ class Generator:
 
     def close(self) -> None:
         self.engine.stop()
+        self.tiers.close()
 
     # requests
 
@@ -235,18 +250,19 @@ class Generator:
         return len(old)
 
     def _reclaim(self, need: int) -> bool:
-        """Engine thread, pool short of `need` blocks: drop idle sessions' caches, LRU first."""
+        """Engine thread, pool short of `need` blocks: idle sessions' blocks move down to the warm
+        tier (host memory; the least recently used session's first, see tiers.AccessPolicy), and
+        past kv_warm_mb on to disk. A session brings them back on its next turn."""
         with self._sessions_lock:
-            idle = sorted(self.sessions.values(), key=lambda s: s.last_used)
-        for s in idle:
-            if self.pool.available >= need:
-                break
-            if s.cache.blocks and s.lock.acquire(blocking=False):
-                try:
-                    s.evict()
-                finally:
-                    s.lock.release()
-        return self.pool.available >= need
+            sessions = list(self.sessions.values())
+        idle = [s for s in sessions if s.cache.blocks and s.lock.acquire(blocking=False)]  # not mid-turn
+        try:
+            room = self.tiers.make_room(need, only=[s.cache for s in idle])
+            self.tiers.spill(int(self.options.kv_warm_mb * 2**20))
+        finally:
+            for s in idle:
+                s.lock.release()
+        return room
 
 
 class InferenceSession:
@@ -267,8 +283,12 @@ class InferenceSession:
         self._pending_messages: list[dict] = []
 
     def prepare(self, prompt: Prompt) -> list[int]:
-        """Prompt ids for the next turn; trims the cache to what they share with it."""
+        """Prompt ids for the next turn; trims the cache to what they share with it, and brings
+        blocks that went down a tier back into the pool."""
         self.last_used = time.monotonic()
+        tiers = self.gen.tiers
+        if tiers.parked(self.cache):
+            tiers.prefetch(self.cache)  # under way while the prompt is tokenized
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             self._pending_messages = [*self.messages, *prompt]
             ids = self.gen.prompt_ids(self._pending_messages)
@@ -280,16 +300,18 @@ class InferenceSession:
             if a != b:
                 break
             shared += 1
-        self.cache.truncate(min(shared, len(ids) - 1))  # at least one token computes logits
+        try:
+            tiers.truncate(self.cache, min(shared, len(ids) - 1))  # at least one token computes logits
+        except PoolExhausted:  # no room to bring the prefix back: the prompt is computed again
+            tiers.reset(self.cache)
         return ids
 
     def keep(self, seq: Sequence) -> None:
         """Engine thread, at the end of a turn: the cache stays, the history grows."""
         self.history = seq.tokens
         self.last_used = time.monotonic()
+        self.gen.tiers.touch(self.cache)  # LRU order for _reclaim
 
-    def evict(self) -> None:
-        self.cache.reset()
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Result:
         result = Result()
@@ -313,4 +335,4 @@ class InferenceSession:
 
     def close(self) -> None:
         with self.lock:
-            self.gen.engine.call(self.cache.reset)
+            self.gen.engine.call(lambda: self.gen.tiers.reset(self.cache))

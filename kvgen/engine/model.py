@@ -71,12 +71,8 @@ class Linear:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # By hand: on CPU F.rms_norm decomposes into twice the ops. Low-precision activations
-    # are normalised in fp32, as the reference implementations do.
-    if x.dtype == torch.float32:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+    # torch 2.13's CPU kernel is one fused op (it normalises low precision in fp32)
+    return F.rms_norm(x, w.shape, w, eps)
 
 
 def rope_tables(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
@@ -212,6 +208,8 @@ class Model:
             x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
             qkv = layer.qkv(x).view(T, -1, cfg.head_dim)
             qk = apply_rope(qkv[:, :nq + nkv], rot)  # q and k heads rotate in one go
+            if fmt.qk_scale is not None:  # quantized keys: channels equalised (formats.py)
+                qk = qk * fmt.qk_scale[i]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
             fmt.write(store, i, step.write_blocks, step.write_offsets, k, v)
             a = attend(q, fmt, store, i, step)

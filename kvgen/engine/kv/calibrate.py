@@ -1,4 +1,5 @@
-"""Fit the q3 codebooks from the model's own K/V, once, before any request is served.
+"""Fit a format's calibrated parts from the model's own K/V, once, before any request is served:
+key channel scales for quantized formats (formats.KVFormat), and the q3 codebooks.
 
 Q3Format starts from a generic normal-quantile codebook; the distribution of normalised K/V
 values differs per layer and between keys (post-RoPE, a few large channels) and values, so
@@ -54,37 +55,56 @@ FIT_OPTS = {"max_samples": 1 << 14, "iters": 30}
 
 
 def collect_kv(model, ids: list[int], block_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Run ids through the model in one prefill over an fp32 cache; K, V [tokens, kvh, hd] per layer."""
+    """Run ids through the model in one prefill over an fp32 cache; K, V [tokens, kvh, hd] per
+    layer, float32 on the CPU."""
     cfg = model.cfg
     n = len(ids)
+    dev = model.device
     fmt = make_format("fp32", cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
                       compute_dtype=model.act_dtype)
     n_blocks = -(-n // block_size)
-    store = fmt.allocate(n_blocks)
-    pos = torch.arange(n)
+    store = fmt.allocate(n_blocks, dev)
+    pos = torch.arange(n, device=dev)
     step = Step(positions=pos, write_blocks=pos // block_size, write_offsets=pos % block_size,
-                query_lens=[n], context_lens=[n], block_tables=torch.arange(n_blocks)[None],
-                logits_rows=torch.tensor([n - 1]), is_decode=n == 1)
-    model.forward(torch.tensor(ids), step, fmt, store)
+                query_lens=[n], context_lens=[n], block_tables=torch.arange(n_blocks, device=dev)[None],
+                logits_rows=torch.tensor([n - 1], device=dev), is_decode=n == 1)
+    model.forward(torch.tensor(ids, device=dev), step, fmt, store)
     shape = (-1, cfg.num_kv_heads, cfg.head_dim)
     out = []
     for layer in range(cfg.num_layers):
-        k, v = fmt.read(store, layer, torch.arange(n_blocks))
-        out.append((k.reshape(shape)[:n].float(), v.reshape(shape)[:n].float()))
+        k, v = fmt.read(store, layer, torch.arange(n_blocks, device=dev))
+        out.append((k.reshape(shape)[:n].float().cpu(), v.reshape(shape)[:n].float().cpu()))
     return out
 
 
+def key_scales(k: torch.Tensor) -> torch.Tensor:
+    """Per (kv head, channel) scale [kvh, hd] that brings every key channel to the same absmax,
+    normalised to a geometric mean of 1 per head (so q and k keep their overall size)."""
+    s = k.abs().amax(0).clamp_min(1e-6)
+    return s / s.log().mean(-1, keepdim=True).exp()
+
+
 def calibrate_format(model, fmt: KVFormat, tokenizer=None, ids: list[int] | None = None) -> bool:
-    """Fit every codebook of a format that has them (q3); other formats are left alone.
+    """Fit the key channel scales (formats with equalize_keys) and the codebooks (q3); other
+    formats are left alone.
 
     ids default to the tokenized CALIBRATION_TEXT (then a tokenizer is needed). Returns whether
     anything was fitted. Call it before the format's store holds any block.
     """
-    if not hasattr(fmt, "calibrate"):
+    codebooks = hasattr(fmt, "calibrate")
+    if not (fmt.equalize_keys or codebooks):
         return False
     if ids is None:
         ids = tokenizer.encode(CALIBRATION_TEXT)
-    for layer, (k, v) in enumerate(collect_kv(model, ids, fmt.block_size)):
-        fmt.calibrate(layer, 0, k, **FIT_OPTS)
-        fmt.calibrate(layer, 1, v, **FIT_OPTS)
+    kv = collect_kv(model, ids, fmt.block_size)
+    group = model.cfg.num_heads // model.cfg.num_kv_heads
+    scales = []
+    for layer, (k, v) in enumerate(kv):
+        s = key_scales(k) if fmt.equalize_keys else torch.ones(k.shape[1:])
+        scales.append(torch.cat([s.repeat_interleave(group, 0), 1 / s]))  # q heads get s, k heads 1/s
+        if codebooks:
+            fmt.calibrate(layer, 0, k / s, **FIT_OPTS)  # keys as the cache will hold them
+            fmt.calibrate(layer, 1, v, **FIT_OPTS)
+    if fmt.equalize_keys:
+        fmt.qk_scale = torch.stack(scales).to(device=model.device, dtype=model.act_dtype)
     return True

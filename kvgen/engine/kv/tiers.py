@@ -80,6 +80,10 @@ class AccessPolicy:
     def forget(self, cache: PagedKVCache) -> None:
         self._seen.pop(cache, None)
 
+    def rank(self, cache: PagedKVCache, index: int) -> tuple[int, int]:
+        """(last read tick, read count) of a block: lower goes down first."""
+        return tuple(self._seen.get(cache, {}).get(index, (0, 0)))
+
     def victims(self, n: int, exclude=(), only=None) -> list[tuple[PagedKVCache, int]]:
         """Up to n (cache, block index) pairs of written hot blocks, best to demote first,
         among the caches seen (or `only` these), never from the `exclude`d ones."""
@@ -109,9 +113,9 @@ class TieredKV:
         self.policy = policy or AccessPolicy()
         cold_dir = cold_dir or os.environ.get("KV_COLD_DIR") or None
         # A directory we created is ours to delete; a given one outlives us (only our files go).
+        # Made on the first cold write: most servers never spill to disk.
         self._own_dir = cold_dir is None
-        self.cold_dir = tempfile.mkdtemp(prefix="kvgen-cold-") if cold_dir is None else cold_dir
-        os.makedirs(self.cold_dir, exist_ok=True)
+        self.cold_dir = cold_dir
         self._parked: dict[PagedKVCache, dict[int, _Parked]] = {}
         self._inflight: dict[PagedKVCache, Future] = {}
         self._lock = threading.RLock()
@@ -223,6 +227,22 @@ class TieredKV:
                     self.demote(cache, index, tier)
             return self.pool.available >= need
 
+    def spill(self, max_warm_bytes: int) -> int:
+        """Write warm blocks to cold files, least recently read first, until the warm tier holds
+        at most max_warm_bytes. Returns how many blocks went cold."""
+        with self._lock:
+            warm = sorted((*self.policy.rank(c, i), i, id(c), c) for c, blocks in self._parked.items()
+                          for i, p in blocks.items() if p.tier == Tier.WARM)
+            total, moved = self.nbytes(Tier.WARM), 0
+            for *_, index, _, cache in warm:
+                if total <= max_warm_bytes:
+                    break
+                p = self._parked[cache][index]
+                total -= p.nbytes
+                self._write_cold(p)
+                moved += 1
+            return moved
+
     # keeping the cache's own verbs working
 
     def truncate(self, cache: PagedKVCache, new_len: int) -> None:
@@ -261,7 +281,7 @@ class TieredKV:
                 for p in blocks.values():
                     self._unlink(p)
             self._parked.clear()
-        if self._own_dir:
+        if self._own_dir and self.cold_dir:
             shutil.rmtree(self.cold_dir, ignore_errors=True)
 
     def __enter__(self):
@@ -307,6 +327,9 @@ class TieredKV:
     # disk
 
     def _write_cold(self, p: _Parked) -> None:
+        if self.cold_dir is None:
+            self.cold_dir = tempfile.mkdtemp(prefix="kvgen-cold-")
+        os.makedirs(self.cold_dir, exist_ok=True)
         path = os.path.join(self.cold_dir, f"{uuid.uuid4().hex}.kv")
         with open(path, "wb") as f:
             for name, _, _ in p.layout:
