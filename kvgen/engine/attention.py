@@ -7,7 +7,6 @@ whatever device q is on.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ class Step:
     # (block tables, context lens) as int32 on q's device for flash_decode: made by the first
     # layer that needs them, reused by the others
     kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_plan: tuple | None = None  # made by the first layer's decode attention (_decode_plan)
 
 
 def attend(q: torch.Tensor, fmt: KVFormat, store: dict, layer: int, step: Step) -> torch.Tensor:
@@ -94,26 +94,29 @@ def _decode(q, fmt, store, layer, step):
     # and let each KV head serve its whole group of query heads (GQA without copies).
     B, H, D = q.shape
     kvh = fmt.num_kv_heads
+    if step.decode_plan is None:
+        step.decode_plan = _decode_plan(step, fmt.block_size, q.device)
+    table, max_keys, keep = step.decode_plan
+    k, v = fmt.read(store, layer, table)
+    k = k.reshape(B, -1, kvh, D)[:, :max_keys].transpose(1, 2)  # [B, KVH, L, D]
+    v = v.reshape(B, -1, kvh, D)[:, :max_keys].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.view(B, H, 1, D), k, v, attn_mask=keep, enable_gqa=True)
+    return o.view(B, H, D)
+
+
+def _decode_plan(step: Step, block_size: int, device) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    """What every layer's decode attention shares: the flat block table, the longest key run,
+    and which keys each sequence sees ([B, 1, 1, L] bool; None when all see every key)."""
+    B = len(step.context_lens)
     starts = step.kv_starts or [0] * B
     n_keys = [c - s for c, s in zip(step.context_lens, starts, strict=True)]
     max_keys = max(n_keys)
-    table = step.block_tables[:, : -(-max_keys // fmt.block_size)]
-    k, v = fmt.read(store, layer, table.reshape(-1))
-    k = k.reshape(B, -1, kvh, D)[:, :max_keys].permute(0, 2, 3, 1)  # [B, KVH, D, L]
-    v = v.reshape(B, -1, kvh, D)[:, :max_keys].transpose(1, 2)  # [B, KVH, L, D]
-    if not (step.window or step.chunk) and min(n_keys) == max_keys:  # no mask: one fused call
-        o = F.scaled_dot_product_attention(q.view(B, H, 1, D), k.transpose(2, 3), v, enable_gqa=True)
-        return o.view(B, H, D)
-    qg = q.view(B, kvh, H // kvh, D)
-    scores = torch.matmul(qg, k) * (1.0 / math.sqrt(D))  # [B, KVH, G, L]
+    table = step.block_tables[:, : -(-max_keys // block_size)].reshape(-1)
+    if not (step.window or step.chunk) and min(n_keys) == max_keys:
+        return table, max_keys, None
+    ctx = torch.tensor(step.context_lens, device=device)[:, None]
+    k_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(max_keys, device=device)[None, :]
+    keep = k_pos < ctx  # padding past a shorter sequence's end
     if step.window or step.chunk:
-        dev = q.device
-        k_pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(max_keys, device=dev)[None, :]
-        q_pos = torch.tensor(step.context_lens, device=dev)[:, None] - 1
-        keep = visible(q_pos, k_pos, step)[:, 0] & (k_pos < torch.tensor(step.context_lens, device=dev)[:, None])
-        scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    else:
-        pad = torch.arange(max_keys, device=q.device)[None, :] >= torch.tensor(n_keys, device=q.device)[:, None]
-        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return torch.matmul(probs, v).view(B, H, D)
+        keep &= visible(ctx - 1, k_pos, step)[:, 0]
+    return table, max_keys, keep[:, None, None, :]
