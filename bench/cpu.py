@@ -27,6 +27,7 @@ from kvgen.engine.threads import in_fresh_thread  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu.md"
 WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
+STREAMS = (1, 4, 16, 32)
 PROMPTS = ["The capital of France is", "def quicksort(items):", "Once upon a time, in a small village,",
            "The three laws of thermodynamics are", "Here is a recipe for bread:", "In 1492, Columbus"]
 
@@ -46,12 +47,16 @@ def prefill_decode(gen: Generator, prompt: list[int], new_tokens=128, repeats=3)
     return {"prefill_tps": prefill, "decode_tps": decode}
 
 
-def distance_from_fp32(ref: Generator, gen: Generator) -> dict:
-    """Max |logit diff| on the first generated token and greedy agreement over 64 tokens."""
+def answers(gen: Generator) -> list:
+    """Greedy 64-token answers to PROMPTS, with the top-5 logprobs of each token."""
+    return [gen.generate(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=5))
+            for p in PROMPTS]
+
+
+def distance(ref: list, other: list) -> dict:
+    """Max |logprob diff| on the first generated token and greedy agreement over 64 tokens."""
     err, agree = 0.0, []
-    for p in PROMPTS:
-        a = ref.generate(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=5))
-        b = gen.generate(p, SamplingParams(temperature=0, max_new_tokens=64, ignore_eos=True, logprobs=5))
+    for a, b in zip(ref, other, strict=True):
         la = dict(a.logprobs[0].top)
         lb = dict(b.logprobs[0].top)
         err = max(err, max(abs(la[t] - lb[t]) for t in la if t in lb))
@@ -106,11 +111,16 @@ def main() -> None:
     for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
         # in a thread that exits: a worker pool left on the main thread slows the engine's (threads.py)
         rows.append(("transformers", name, in_fresh_thread(peers.transformers_prefill_decode, dtype, prompt, 128)))
-    gens = {}
+    # One Generator at a time: an idle engine thread keeps its OpenMP pool, and a second pool
+    # slows the busy one (kvgen/engine/threads.py); close() ends the thread and its pool.
+    said, streams = {}, {}
     for wd in WEIGHT_DTYPES:
         g = Generator(*load_model(peers.model_path(), wd), EngineOptions(weight_dtype=wd))
-        gens[wd] = g
         rows.append(("kvgen", wd, prefill_decode(g, prompt)))
+        said[wd] = answers(g)
+        if wd in ("fp32", fast_dtype()):
+            streams[wd] = {n: concurrent(g, n) for n in STREAMS}
+        g.close()
     for engine, weights, r in rows:
         rel = (f"{r['prefill_tps'] / llama['prefill_tps']:.2f}x", f"{r['decode_tps'] / llama['decode_tps']:.2f}x") \
             if llama else ("n/a", "n/a")
@@ -122,24 +132,21 @@ def main() -> None:
               "| weights | max abs logprob diff (first token, top 5) | mean agreeing prefix (of 64) |",
               "|---|---|---|"]
     for wd in WEIGHT_DTYPES[1:]:
-        d = distance_from_fp32(gens["fp32"], gens[wd])
+        d = distance(said["fp32"], said[wd])
         lines.append(f"| {wd} | {d['logprob_err']:.4f} | {d['agree']:.1f} |")
     lines += ["", "## Concurrent streams (issue 3): aggregate decode tokens/s, 64 tokens per stream\n",
               "| streams | kvgen fp32 tok/s | x of 1 stream | p50 ITL ms | p99 ITL ms | kvgen "
               f"{fast_dtype()} tok/s | x of 1 | p50 ITL ms | p99 ITL ms | transformers fp32 batched tok/s |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     base = {}
-    for n in (1, 4, 16, 32):
-        a = concurrent(gens["fp32"], n)
-        b = concurrent(gens[fast_dtype()], n)
+    for n in STREAMS:
+        a, b = streams["fp32"][n], streams[fast_dtype()][n]
         base.setdefault("a", a["tps"])
         base.setdefault("b", b["tps"])
         hf = in_fresh_thread(peers.transformers_batched_decode, torch.float32, n, 64)
         lines.append(f"| {n} | {a['tps']:.1f} | {a['tps'] / base['a']:.1f}x | {a['p50']:.1f} | {a['p99']:.1f} | "
                      f"{b['tps']:.1f} | {b['tps'] / base['b']:.1f}x | {b['p50']:.1f} | {b['p99']:.1f} | {hf:.1f} |")
     lines += ["", "Goal: 16 concurrent streams give at least 5x the tokens/s of one stream."]
-    for g in gens.values():
-        g.close()
     tracing = Path(__file__).resolve().parent / "tracing.py"
     if tracing.exists():
         out = subprocess.run([sys.executable, str(tracing)], capture_output=True, text=True, timeout=900)
