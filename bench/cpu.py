@@ -151,8 +151,8 @@ def main() -> None:
     if tracing.exists():
         out = subprocess.run([sys.executable, str(tracing)], capture_output=True, text=True, timeout=900)
         lines += ["", "## Tracing overhead (issue 6)\n", out.stdout.strip() or out.stderr.strip()[-2000:]]
-    lines.insert(2, f"Load average (1 min) at the start {load0:.2f}, at the end {os.getloadavg()[0]:.2f}: "
-                    "above ~0.5 something else shared the cores, and every number here is low.\n")
+    lines.insert(2, f"Load average (1 min) at the start {load0:.2f}, at the end {os.getloadavg()[0]:.2f} (the "
+                    "bench's own load): a start above ~0.5 means something else shared the cores.\n")
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n")
     print(OUT.read_text())
