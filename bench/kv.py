@@ -195,7 +195,7 @@ def sequences_in(fmt: KVFormat, budget_bytes: int, seq_tokens: int, extra_per_se
 
 RESIDUAL = {"recent_fp32": True}
 KIVI = {"recent_fp32": True, "channel_k_bits": 0}  # bits filled in per format
-VARIANTS = ([(n, {}) for n in KV_DTYPES] + [(n, RESIDUAL) for n in ("q4", "q3")]
+VARIANTS = ([(n, {}) for n in KV_DTYPES if n != "auto"] + [(n, RESIDUAL) for n in ("q4", "q3")]
             + [(n, {**KIVI, "channel_k_bits": b}) for n, b in (("q4", 4), ("q3", 3))])
 DIAG_TOKENS = 512  # the which-half-loses diagnosis runs on the start of the text only
 
@@ -280,7 +280,7 @@ def markdown(res: dict, seconds: float) -> str:
         f"Model: the embedded SmolLM2-135M (30 layers, 3 KV heads, head_dim 64), fp32 weights. "
         f"Perplexity over {res['tokens']} tokens of bench/kv_text.py, teacher-forced in chunks of {CHUNK} "
         f"through {BLOCK}-token blocks; attention reads every key and value back from the format's store "
-        f"(q3 codebooks calibrated first, as the Generator does). "
+        f"(key channel scales of fp8/q4/q3 and the q3 codebooks calibrated first, as the Generator does). "
         f"Greedy: {res['prompts']} prompts, {res['new_tokens']} new tokens, mean length of the prefix "
         f"equal to fp32's. Memory: whole blocks, scales included; sequences of 2,048 tokens in 256 MB.",
         "",

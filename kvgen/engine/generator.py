@@ -286,9 +286,6 @@ class InferenceSession:
         """Prompt ids for the next turn; trims the cache to what they share with it, and brings
         blocks that went down a tier back into the pool."""
         self.last_used = time.monotonic()
-        tiers = self.gen.tiers
-        if tiers.parked(self.cache):
-            tiers.prefetch(self.cache)  # under way while the prompt is tokenized
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
             self._pending_messages = [*self.messages, *prompt]
             ids = self.gen.prompt_ids(self._pending_messages)
@@ -300,11 +297,19 @@ class InferenceSession:
             if a != b:
                 break
             shared += 1
-        try:
-            tiers.truncate(self.cache, min(shared, len(ids) - 1))  # at least one token computes logits
-        except PoolExhausted:  # no room to bring the prefix back: the prompt is computed again
-            tiers.reset(self.cache)
+        keep = min(shared, len(ids) - 1)  # at least one token computes logits
+        # On the engine thread: a block copy is a parallel torch op, and any other thread that runs
+        # one keeps an OpenMP pool that slows the engine from then on (threads.py). For the same
+        # reason TieredKV's background prefetch is not used here.
+        self.gen.engine.call(lambda: self._bring_back(keep))
         return ids
+
+    def _bring_back(self, keep: int) -> None:
+        """Engine thread: keep the first `keep` cached tokens, promoting blocks that went down a tier."""
+        try:
+            self.gen.tiers.truncate(self.cache, keep)
+        except PoolExhausted:  # no room to bring the prefix back: the prompt is computed again
+            self.gen.tiers.reset(self.cache)
 
     def keep(self, seq: Sequence) -> None:
         """Engine thread, at the end of a turn: the cache stays, the history grows."""
