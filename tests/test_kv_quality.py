@@ -63,6 +63,7 @@ def test_generator_fits_q3_codebooks_at_start_up(make_gen):
     fitted = [not torch.equal(cb[layer, kv], normal) for layer in range(cb.shape[0]) for kv in range(2)]
     assert all(fitted), f"{fitted.count(False)} codebooks left at the normal quantiles"
     assert (cb[..., 0] == -1).all() and (cb[..., -1] == 1).all()
+    assert gen.pool.fmt.qk_scale is not None  # keys equalised too
     out = gen.generate("The capital of France is", SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
     assert len(out.token_ids) == 4
 
@@ -88,3 +89,14 @@ def test_key_equalisation_leaves_attention_unchanged(embedded):
     a = perplexity(model, ids, plain)
     b = perplexity(model, ids, scaled)
     assert abs(a / b - 1) < 1e-5, (a, b)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "q4"])
+def test_generator_equalises_keys_at_start_up(make_gen, kv_dtype):
+    from kvgen.engine.sampling import SamplingParams
+
+    gen = make_gen(kv_dtype=kv_dtype, kv_cache_mb=8)
+    assert gen.pool.fmt.qk_scale is not None and gen.pool.fmt.qk_scale.shape[0] == gen.cfg.num_layers
+    out = gen.generate("The capital of France is", SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
+    assert len(out.token_ids) == 4
+    assert make_gen(kv_cache_mb=8).pool.fmt.qk_scale is None  # plain storage: nothing to fit

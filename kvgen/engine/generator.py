@@ -15,6 +15,7 @@ import torch
 
 from kvgen.engine import loader
 from kvgen.engine.engine import Engine
+from kvgen.engine.kv.calibrate import calibrate_format
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool, PoolExhausted
@@ -91,9 +92,9 @@ def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> B
     cfg = model.cfg
     fmt = make_format(opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
                       compute_dtype=model.act_dtype)
-    if opts.kv_dtype == "q3":  # codebooks fitted on the model's own K/V, before any block is written
-        from kvgen.engine.kv.calibrate import calibrate_format
-        calibrate_format(model, fmt, tokenizer)
+    # key scales (fp8 / q4 / q3) and codebooks (q3) fitted on the model's own K/V, before any
+    # block is written; plain formats have nothing to fit
+    calibrate_format(model, fmt, tokenizer)
     # The pool lives with the model (options.device only says where load() puts the model).
     return BlockPool.from_budget(fmt, opts.kv_cache_mb, model.device)
 
