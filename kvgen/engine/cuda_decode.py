@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvgen.engine.model import Model, apply_rope, rms_norm
+from kvgen.engine.model import Model, apply_rope
 from kvgen.gpu import ops as gpu_ops
 from kvgen.gpu.graphs import BUCKETS, GraphRunner
 
@@ -136,7 +136,7 @@ class CudaDecoder:
         rot = m.rot[seq_lens.clamp_min(0).long()].unsqueeze(1)
         h = m.embed[tokens.long()]
         for i, layer in enumerate(m.layers):
-            x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
+            x = layer.ln1(h)
             qkv = layer.qkv(x).view(b, -1, cfg.head_dim)
             qk = apply_rope(qkv[:, :nq + nkv], rot)
             if fmt.qk_scale is not None:  # as Model.forward
@@ -145,9 +145,9 @@ class CudaDecoder:
             k_ops.kv_append(fmt, store, i, k, v, tables, seq_lens)  # at position seq_lens[row]
             a = k_ops.flash_decode(q, fmt, store, i, tables, seq_lens, len_offset=1)  # + the new token
             h += layer.o(a.reshape(b, m.q_size))
-            x = rms_norm(h, layer.ln2, cfg.rms_norm_eps)
+            x = layer.ln2(h)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             h += layer.down(F.silu(gate) * up)
         k_ops.increment(seq_lens)  # after the last layer has read it
-        return m.lm_head(rms_norm(h, m.norm, cfg.rms_norm_eps)).float()
+        return m.lm_head(m.norm(h)).float()
 

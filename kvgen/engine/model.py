@@ -77,9 +77,28 @@ class Linear:
         self.b = move(self.b) if self.b is not None else None
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    # torch 2.13's CPU kernel is one fused op (it normalises low precision in fp32)
-    return F.rms_norm(x, w.shape, w, eps)
+class RMSNorm:
+    """x / sqrt(mean(x^2) + eps) * w.
+
+    On the CPU, torch 2.13's rms_norm is a composite of ~10 small ops (casts, pow, mean, rsqrt,
+    two muls), and a decode step runs 61 of them. layer_norm is one fused kernel, and the
+    layer norm of [x, -x] is exactly the RMS norm of x (its mean is 0 and its variance is
+    mean(x^2)), so the CPU path runs that (3 ops, ~40% less time per call) with weights
+    [w, 0]. CUDA has a fused rms_norm.
+    """
+
+    def __init__(self, w: torch.Tensor, eps: float):
+        self.w, self.eps = w, eps
+        self._w2 = torch.cat((w, torch.zeros_like(w)))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return F.rms_norm(x, self.w.shape, self.w, self.eps)
+        n = x.shape[-1]
+        return F.layer_norm(torch.cat((x, -x), -1), self._w2.shape, self._w2, None, self.eps)[..., :n]
+
+    def to(self, move) -> None:
+        self.w = move(self.w)
 
 
 def rope_tables(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
@@ -139,13 +158,14 @@ class Layer:
         self.o = Linear(w[p + "self_attn.o_proj.weight"], None, dtype)
         self.gate_up = Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), None, dtype)
         self.down = Linear(w[p + "mlp.down_proj.weight"], None, dtype)
-        self.ln1 = w[p + "input_layernorm.weight"].to(act)
-        self.ln2 = w[p + "post_attention_layernorm.weight"].to(act)
+        self.ln1 = RMSNorm(w[p + "input_layernorm.weight"].to(act), cfg.rms_norm_eps)
+        self.ln2 = RMSNorm(w[p + "post_attention_layernorm.weight"].to(act), cfg.rms_norm_eps)
 
     def to(self, move) -> None:
         for lin in (self.qkv, self.o, self.gate_up, self.down):
             lin.to(move)
-        self.ln1, self.ln2 = move(self.ln1), move(self.ln2)
+        self.ln1.to(move)
+        self.ln2.to(move)
 
 
 def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
@@ -171,7 +191,7 @@ class Model:
         act = self.act_dtype
         self.embed = weights["model.embed_tokens.weight"].to(act)
         self.layers = [Layer(cfg, weights, i, weight_dtype, act) for i in range(cfg.num_layers)]
-        self.norm = weights["model.norm.weight"].to(act)
+        self.norm = RMSNorm(weights["model.norm.weight"].to(act), cfg.rms_norm_eps)
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         self.lm_head = Linear(head, None, weight_dtype)
         self.rot = rope_tables(cfg, cfg.context_length)
@@ -196,7 +216,8 @@ class Model:
                 moved[id(t)] = (t, t.to(device))
             return moved[id(t)][1]
 
-        self.embed, self.norm, self.rot = move(self.embed), move(self.norm), move(self.rot)
+        self.embed, self.rot = move(self.embed), move(self.rot)
+        self.norm.to(move)
         for layer in self.layers:
             layer.to(move)
         self.lm_head.to(move)
@@ -213,7 +234,7 @@ class Model:
         half = cfg.intermediate_size
         h = self.embed[input_ids]
         for i, layer in enumerate(self.layers):
-            x = rms_norm(h, layer.ln1, cfg.rms_norm_eps)
+            x = layer.ln1(h)
             qkv = layer.qkv(x).view(T, -1, cfg.head_dim)
             qk = apply_rope(qkv[:, :nq + nkv], rot)  # q and k heads rotate in one go
             if fmt.qk_scale is not None:  # quantized keys: channels equalised (formats.py)
@@ -222,8 +243,8 @@ class Model:
             fmt.write(store, i, step.write_blocks, step.write_offsets, k, v)
             a = attend(q, fmt, store, i, step)
             h += layer.o(a.reshape(T, self.q_size))
-            x = rms_norm(h, layer.ln2, cfg.rms_norm_eps)
+            x = layer.ln2(h)
             gu = layer.gate_up(x)
             h += layer.down(F.silu(gu[:, :half]) * gu[:, half:])
-        h = rms_norm(h[step.logits_rows], self.norm, cfg.rms_norm_eps)
+        h = self.norm(h[step.logits_rows])
         return self.lm_head(h).float()
