@@ -8,12 +8,11 @@ Method
 - Greedy agreement: the prompts of kv_text.PROMPTS are prefilled together, then decoded
   greedily (64 new tokens, EOS ignored) in one batch; per prompt, the length of the prefix
   that agrees with fp32, averaged.
-- q3 codebooks are fitted first, as the Generator does (kvgen.engine.kv.calibrate).
-- "recent block fp32": KIVI keeps the newest tokens in full precision and quantizes them
-  only once a group is full. Emulated here without touching the engine: every block written
-  by the latest step (each sequence's newest block) is read from an fp32 shadow copy, older
-  blocks from the quantized store. With 16-token chunks on 16-token blocks this is exactly what
-  decode with such a residual would see.
+- Formats are built as the Generator builds them: fp8 key scales and q3 codebooks fitted
+  first (kvgen.engine.kv.calibrate), and fp8 / q4 / q3 keep each sequence's newest block exact
+  (KIVI's residual, formats.py); "no recent block" rows turn that off to measure what it buys.
+  Chunks of half a block make every query see its own block exact and the blocks before it
+  quantized, as a decode step does.
 
 Run: `make bench-kv` (or .venv/bin/python bench/kv.py [--tokens N]).
 """
@@ -41,47 +40,26 @@ from kvgen.engine.kv.calibrate import calibrate_format  # noqa: E402
 from kvgen.engine.kv.formats import KV_DTYPES, KVFormat, make_format  # noqa: E402
 
 BLOCK = 16
-CHUNK = 16
+CHUNK = 8  # half a block: each query sees its own block as decode does (formats.py: recent block)
 NEW_TOKENS = 64
 # Relative perplexity increase over fp32 that issue 4 accepts per format.
 BOUNDS = {"fp32": 0.0, "fp16": 0.001, "bf16": 0.001, "fp8": 0.01, "q4": 0.05, "q3": 0.10}
+QUANTIZED = ("fp8", "q4", "q3")
 RESULTS = Path(__file__).resolve().parent / "results" / "kv.md"
 
 
 class Emulated(KVFormat):
-    """A quantized format with parts of its cache read from an fp32 shadow of every write, to
-    measure layouts the engine does not have without building them:
+    """A format with one half of its cache (`exact`: "k" or "v") read from an fp32 shadow of
+    every write: which half carries the loss?"""
 
-    recent_fp32    the blocks of the latest write (the block each sequence of the step is
-                   filling) are exact; a block drops to its quantized copy as soon as a write
-                   lands elsewhere (KIVI's full-precision residual).
-    exact          "k" or "v": that half is always exact (which half carries the loss?).
-    channel_k_bits keys of the other blocks are quantized uniformly with this many bits and one
-                   float16 scale per block, head and channel (KIVI's key layout) instead of the
-                   format's own key layout. Needs recent_fp32: a block is quantized only once
-                   full, so its scales never depend on tokens a query must not see.
-    Memory is reported as the quantized format's (plus one fp32 block per sequence, by the caller).
-    """
-
-    def __init__(self, inner: KVFormat, recent_fp32: bool = False, exact: str = "",
-                 channel_k_bits: int = 0):
+    def __init__(self, inner: KVFormat, exact: str):
         super().__init__(inner.num_layers, inner.block_size, inner.num_kv_heads, inner.head_dim,
                          inner.compute_dtype)
-        if channel_k_bits and not recent_fp32:
-            raise ValueError("per-channel keys are emulated with the recent block in fp32 only")
-        self.inner, self.recent_fp32, self.exact, self.channel_k_bits = inner, recent_fp32, exact, channel_k_bits
+        self.inner, self.exact = inner, exact
         self.qk_scale = inner.qk_scale  # the model equalises keys for the inner format
-        parts = [inner.name]
-        if channel_k_bits:
-            parts.append(f"{channel_k_bits}-bit per-channel K")
-        if recent_fp32:
-            parts.append("recent block fp32")
-        if exact:
-            parts.append(f"{exact.upper()} exact")
-        self.name = " + ".join(parts)
+        self.name = f"{inner.name} + {exact.upper()} exact"
         self.shadow = make_format("fp32", inner.num_layers, inner.block_size, inner.num_kv_heads,
                                   inner.head_dim, compute_dtype=inner.compute_dtype)
-        self._recent = torch.empty(0, dtype=torch.long)
 
     def allocate(self, num_blocks, device="cpu"):
         store = self.inner.allocate(num_blocks, device)
@@ -91,43 +69,25 @@ class Emulated(KVFormat):
     def write(self, store, layer, blocks, offsets, k, v):
         self.inner.write(store, layer, blocks, offsets, k, v)
         self.shadow.write({"kv": store["shadow"]}, layer, blocks, offsets, k, v)
-        self._recent = torch.unique(blocks)
 
     def read(self, store, layer, block_ids):
         k, v = self.inner.read(store, layer, block_ids)
         sk, sv = self.shadow.read({"kv": store["shadow"]}, layer, block_ids)
-        if self.channel_k_bits:
-            k = _per_channel(sk, self.channel_k_bits)
-        if self.exact == "k":
-            k = sk
-        if self.exact == "v":
-            v = sv
-        if self.recent_fp32:
-            recent = torch.isin(block_ids, self._recent)[:, None, None, None]
-            k, v = torch.where(recent, sk, k), torch.where(recent, sv, v)
-        return k, v
-
-    def bytes_per_block(self):
-        return self.inner.bytes_per_block()
+        return (sk, v) if self.exact == "k" else (k, sv)
 
 
-def _per_channel(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """Symmetric uniform quantize-dequantize of x [M, block, KVH, HD] with an absmax scale per
-    block, head and channel (over the block's tokens)."""
-    qmax = 2 ** (bits - 1) - 1
-    s = (x.abs().amax(1, keepdim=True) / qmax).half().float()
-    pos = s > 0
-    return torch.where(pos, torch.round(x / torch.where(pos, s, 1.0)).clamp(-qmax - 1, qmax) * s, 0.0)
+RECENT_SLOTS = 16  # more than the greedy prompts, so every sequence keeps its newest block exact
 
 
-def eval_format(model, name: str, tokenizer, **emulate) -> KVFormat:
-    """The format as the engine builds it (q3 calibrated, as the Generator does), optionally
-    wrapped in an Emulated layout (keyword arguments of Emulated)."""
+def eval_format(model, name: str, tokenizer, recent: bool = True, exact: str = "") -> KVFormat:
+    """The format as the Generator builds it (calibrated; quantized formats keep the newest
+    block exact unless recent=False), optionally with one half exact (Emulated)."""
     cfg = model.cfg
     fmt = make_format(name, cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim,
-                      compute_dtype=model.act_dtype)
+                      compute_dtype=model.act_dtype,
+                      recent_slots=RECENT_SLOTS if recent and name in QUANTIZED else None)
     calibrate_format(model, fmt, tokenizer)
-    return Emulated(fmt, **emulate) if emulate else fmt
+    return Emulated(fmt, exact) if exact else fmt
 
 
 def _step(seqs: list[tuple[int, int]], tables: torch.Tensor, bs: int, all_rows: bool) -> Step:
@@ -193,10 +153,7 @@ def sequences_in(fmt: KVFormat, budget_bytes: int, seq_tokens: int, extra_per_se
     return budget_bytes // per_seq
 
 
-RESIDUAL = {"recent_fp32": True}
-KIVI = {"recent_fp32": True, "channel_k_bits": 0}  # bits filled in per format
-VARIANTS = ([(n, {}) for n in KV_DTYPES if n != "auto"] + [(n, RESIDUAL) for n in ("q4", "q3")]
-            + [(n, {**KIVI, "channel_k_bits": b}) for n, b in (("q4", 4), ("q3", 3))])
+VARIANTS = [(n, True) for n in KV_DTYPES if n != "auto"] + [(n, False) for n in QUANTIZED]
 DIAG_TOKENS = 512  # the which-half-loses diagnosis runs on the start of the text only
 
 
@@ -206,8 +163,8 @@ def run(model, tokenizer, tokens: int | None = None, new_tokens: int = NEW_TOKEN
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     rows = []
     ref = None
-    for name, emulate in VARIANTS:
-        fmt = eval_format(model, name, tokenizer, **emulate)
+    for name, recent in VARIANTS:
+        fmt = eval_format(model, name, tokenizer, recent)
         t0 = time.perf_counter()
         ppl = perplexity(model, ids, fmt)
         t1 = time.perf_counter()
@@ -216,24 +173,19 @@ def run(model, tokenizer, tokens: int | None = None, new_tokens: int = NEW_TOKEN
         if ref is None:
             ref = (ppl, cont)
         agree = agreement(cont, ref[1])
-        extra = fmt.shadow.bytes_per_block() if emulate.get("recent_fp32") else 0
+        extra = fmt.stage_bytes() // max(fmt.recent_slots, 1)  # one exact block per sequence
         rows.append({
-            "name": fmt.name, "base": name, "emulated": bool(emulate), "ppl": ppl, "rel": ppl / ref[0] - 1,
+            "name": fmt.name + ("" if recent or name not in QUANTIZED else " (no recent block)"),
+            "base": name, "variant": not recent, "ppl": ppl, "rel": ppl / ref[0] - 1,
             "agree": sum(agree) / len(agree), "agree_each": agree,
             "bytes_tok_layer": fmt.bytes_per_token_per_layer(),
             "seqs_256mb": sequences_in(fmt, 256 * 2**20, 2048, extra),
-            "ppl_s": t1 - t0, "greedy_s": t2 - t1, "shadow_block": extra,
+            "ppl_s": t1 - t0, "greedy_s": t2 - t1, "stage_block": extra,
         })
         print(f"{fmt.name:>44}: ppl {ppl:.4f} ({rows[-1]['rel']:+.4%}), greedy prefix {rows[-1]['agree']:.1f}"
               f" {agree}  [{t1 - t0:.0f}s + {t2 - t1:.0f}s]", flush=True)
-    cfg = model.cfg
-    # What the emulated layouts would add: an fp32 block per sequence; per-channel key scales
-    # (float16 per block, head, channel) in place of per-token group scales (per token, head, group).
-    shadow = max(r["shadow_block"] for r in rows)
-    chan_scales = cfg.num_kv_heads * cfg.head_dim * 2 / BLOCK - cfg.num_kv_heads * (cfg.head_dim // 32) * 2
     return {"tokens": len(ids), "prompts": len(prompts), "new_tokens": new_tokens, "rows": rows,
-            "shadow_block": shadow, "chan_scales": chan_scales, "layers": cfg.num_layers,
-            "diag": diagnose(model, tokenizer, diag_tokens)}
+            "stage_block": max(r["stage_block"] for r in rows), "diag": diagnose(model, tokenizer, diag_tokens)}
 
 
 def diagnose(model, tokenizer, tokens: int) -> dict:
@@ -243,27 +195,23 @@ def diagnose(model, tokenizer, tokens: int) -> dict:
     ref = perplexity(model, ids, eval_format(model, "fp32", tokenizer))
     out = {"tokens": len(ids), "rows": {}}
     for name in ("fp8", "q4", "q3"):
-        gaps = [perplexity(model, ids, eval_format(model, name, tokenizer, **em)) / ref - 1
-                for em in ({}, {"exact": "v"}, {"exact": "k"})]
+        gaps = [perplexity(model, ids, eval_format(model, name, tokenizer, exact=ex)) / ref - 1
+                for ex in ("", "v", "k")]
         out["rows"][name] = gaps
         print(f"diagnosis {name}: all {gaps[0]:+.3%}, K only {gaps[1]:+.3%}, V only {gaps[2]:+.3%}", flush=True)
     return out
 
 
 def verdict(rows: list[dict]) -> list[str]:
-    """Per quantized format: does the fp32 recent block, and KIVI's layout, clearly help?"""
-    by = {}
-    for r in rows:
-        by.setdefault(r["base"], []).append(r)
+    """Per quantized format: what keeping the newest block exact buys."""
+    by = {(r["base"], r["variant"]): r for r in rows}
     lines = []
-    for name in ("q4", "q3"):
-        plain, *emulated = by[name]
-        for e in emulated:
-            clear = e["rel"] < 0.5 * plain["rel"] and e["agree"] >= plain["agree"]
-            lines.append(f"- {e['name']}: perplexity gap to fp32 {plain['rel']:+.2%} -> {e['rel']:+.2%}, "
-                         f"greedy prefix {plain['agree']:.1f} -> {e['agree']:.1f} of {NEW_TOKENS}: "
-                         f"{'clearly helps' if clear else 'does not clearly help'}"
-                         f"{'' if e['rel'] <= BOUNDS[name] else f', still outside the {BOUNDS[name]:.0%} bound'}.")
+    for name in QUANTIZED:
+        on, off = by[(name, False)], by[(name, True)]
+        clear = on["rel"] < 0.8 * off["rel"] and on["agree"] >= off["agree"]
+        lines.append(f"- {name}: perplexity gap to fp32 {off['rel']:+.2%} without -> {on['rel']:+.2%} with, "
+                     f"greedy prefix {off['agree']:.1f} -> {on['agree']:.1f} of {NEW_TOKENS}: "
+                     f"{'clearly helps' if clear else 'does not clearly help'}.")
     return lines
 
 
@@ -280,9 +228,13 @@ def markdown(res: dict, seconds: float) -> str:
         f"Model: the embedded SmolLM2-135M (30 layers, 3 KV heads, head_dim 64), fp32 weights. "
         f"Perplexity over {res['tokens']} tokens of bench/kv_text.py, teacher-forced in chunks of {CHUNK} "
         f"through {BLOCK}-token blocks; attention reads every key and value back from the format's store "
-        f"(key channel scales of fp8/q4/q3 and the q3 codebooks calibrated first, as the Generator does). "
+        f"(fp8 key channel scales and q3 codebooks calibrated first, as the Generator does; q4 / q3 keys "
+        f"are per channel per block). Chunks of {CHUNK} tokens: each query sees its own block as a decode "
+        f"step does (exact in fp8 / q4 / q3, which keep each sequence's newest block exact), older blocks "
+        f"quantized. "
         f"Greedy: {res['prompts']} prompts, {res['new_tokens']} new tokens, mean length of the prefix "
-        f"equal to fp32's. Memory: whole blocks, scales included; sequences of 2,048 tokens in 256 MB.",
+        f"equal to fp32's. Memory: whole blocks, scales included; sequences of 2,048 tokens in 256 MB, "
+        f"each with its exact newest block ({res['stage_block'] / 1024:.0f} KiB in fp32) where the format keeps one.",
         "",
         "| format | bytes/token/layer | 2,048-token seqs in 256 MB | perplexity | vs fp32 | bound | "
         "within | greedy prefix (of 64) |",
@@ -290,7 +242,7 @@ def markdown(res: dict, seconds: float) -> str:
     ]
     for r in res["rows"]:
         bound = BOUNDS[r["base"]]
-        shown = not r["emulated"] and r["base"] != "fp32"
+        shown = not r["variant"] and r["base"] != "fp32"
         within = ("yes" if abs(r["rel"]) <= bound else "NO") if shown else "-"
         out.append(f"| {r['name']} | {r['bytes_tok_layer']:.1f} | {r['seqs_256mb']} | {r['ppl']:.4f} | "
                    f"{r['rel']:+.3%} | {f'{bound:.1%}' if shown else ''} | {within} | {r['agree']:.1f} |")
@@ -299,15 +251,11 @@ def markdown(res: dict, seconds: float) -> str:
         "",
         "Per-prompt greedy prefixes: " + "; ".join(f"{r['name']} {r['agree_each']}" for r in res["rows"]),
         "",
-        "## Emulated layouts: recent block in fp32 (KIVI's residual) and KIVI's per-channel keys",
+        "## Keeping each sequence's newest block exact (KIVI's residual)",
         "",
-        "Not in the engine; read from an fp32 shadow of every write (bench/kv.py `Emulated`). "
-        "\"recent block fp32\": each sequence's filling block is exact and is quantized once full; "
-        f"cost one fp32 block per sequence ({res['shadow_block'] / 1024:.0f} KiB here, all layers), counted in "
-        "the 256 MB column. \"per-channel K\": full blocks' keys quantized uniformly with one float16 "
-        "scale per block, head and channel instead of per token and group of 32; values stay as the "
-        f"format has them. Bytes listed are the format's; per-channel key scales would add "
-        f"{res['chan_scales']:.0f} B/token/layer at {BLOCK}-token blocks.",
+        "A block is quantized once its sequence has moved on to the next one, so its key scales see "
+        "all its tokens and the nearest tokens are never rounded. Without it (rows \"no recent "
+        "block\") every write goes straight to the quantized store.",
         "",
         *verdict(res["rows"]),
         "",

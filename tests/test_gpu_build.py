@@ -179,7 +179,7 @@ def _store(fmt_name, layers=2, block_size=16, kvh=2, hd=64, blocks=6):
     return fmt, fmt.allocate(blocks)
 
 
-FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
+FORMATS = ("fp32", "fp16", "bf16", "fp8")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -203,7 +203,7 @@ def test_launch_args_match_kernel_params(ptx_entries, launches):
     ops.increment(lens, torch.ones(b, dtype=torch.bool))
 
     names = {fn for _, fn, *_ in launches}
-    assert len(names) == 15 + 1 + 30 + 3  # every append, increment, split and reduce entry
+    assert len(names) == 12 + 1 + 24 + 3  # every append, increment, split and reduce entry
     ptx_kind = {np.int32: ("u32", "s32"), np.float32: ("f32",)}
     for mod, fn, grid, block, args in launches:
         params = ptx_entries.get(f"{mod}:{fn}")
@@ -598,11 +598,11 @@ def _check_simulator() -> None:
                 got = ops.unpack_q4(packed, scales, group, out_dt)
                 ref = quant.q4_dequantize(ref_p, ref_s, gs).to(out_dt)
                 assert same(got, ref), ("q4 unpack", shape, out_dt)
-    # q4 straight into a store slice, through the format's own read
+    # q4 values straight into a store slice, through the format's own read
     fmt = make_format("q4", 2, 4, 2, 8, group_size=4)
     store = fmt.allocate(2)
     x = sample((4, 2, 8), torch.float32)
-    ops.pack_q4(x, 4, store["q"][1, 0, 1], store["scale"][1, 0, 1])
+    ops.pack_q4(x, 4, store["q"][1, 0, 1], store["vscale"][1, 0])
     _, v = fmt.read(store, 0, torch.tensor([1]))
     ref_p, ref_s = quant.q4_quantize(x, 4)
     assert torch.equal(v[0], quant.q4_dequantize(ref_p, ref_s, 4))
@@ -808,14 +808,13 @@ typedef void (*incr_fn)(int*, const u8*, int, int, int);
 extern "C" {
 void emu_append(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, KVG_APPEND_PARAMS) {
   emu_launch(gx, gy, gz, threads, [&] {
-    ((append_fn)f)(k, v, cache, cache_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH, HD,
-                   group);
+    ((append_fn)f)(k, v, cache, cache_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH, HD);
   });
 }
 void emu_split(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, KVG_SPLIT_PARAMS) {
   emu_launch(gx, gy, gz, threads, [&] {
     ((split_fn)f)(q, cache, cache_scale, block_tables, context_lens, part_acc, part_ml, max_blocks,
-                  len_offset, H, KVH, HD, L, layer, BS, group, num_splits, qk_scale);
+                  len_offset, H, KVH, HD, L, layer, BS, num_splits, qk_scale);
   });
 }
 void emu_reduce(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, const float* part_acc,

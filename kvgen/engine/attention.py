@@ -76,7 +76,8 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, step: Step) -> torch.Tenso
 
 
 def _flash_ok(fmt, step: Step) -> bool:
-    return fmt.name in gpu_ops.FORMATS and not (step.window or step.chunk or step.kv_starts)
+    return (fmt.name in gpu_ops.FORMATS and not fmt.recent_slots  # the kernels do not read the stage
+            and not (step.window or step.chunk or step.kv_starts))
 
 
 def _flash_decode(q, fmt, store, layer, step):

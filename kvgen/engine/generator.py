@@ -26,6 +26,7 @@ from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Event, FinishReason, Sequence, Usage
 from kvgen.engine.threads import in_fresh_thread
 from kvgen.engine.tokenizer import TextTokenizer
+from kvgen.gpu import ops as gpu_ops  # imports without CuPy
 
 Prompt = str | list[dict] | list[int]
 
@@ -90,10 +91,19 @@ class EngineOptions:
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:
     cfg = model.cfg
-    fmt = make_format(opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim,
-                      compute_dtype=model.act_dtype)
-    # key scales (fp8 / q4 / q3) and codebooks (q3) fitted on the model's own K/V, before any
-    # block is written; plain formats have nothing to fit
+    # Quantized formats keep each running sequence's filling block exact (formats.py); the GPU
+    # kernels of a format read only its quantized store, so where they run it is off.
+    # One slot per running sequence, within a quarter of the KV budget.
+    quantized = opts.kv_dtype in ("fp8", "q4", "q3")
+    kernels = model.device.type == "cuda" and opts.kv_dtype in gpu_ops.FORMATS
+    args = (opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim)
+    slots = None
+    if quantized and not kernels:
+        slot_bytes = make_format(*args, compute_dtype=model.act_dtype, recent_slots=1).stage_bytes()
+        slots = min(opts.max_running, int(opts.kv_cache_mb * 2**20 / 4) // slot_bytes)
+    fmt = make_format(*args, compute_dtype=model.act_dtype, recent_slots=slots)
+    # key scales (fp8) and codebooks (q3) fitted on the model's own K/V, before any block is
+    # written; plain formats have nothing to fit
     calibrate_format(model, fmt, tokenizer)
     # The pool lives with the model (options.device only says where load() puts the model).
     return BlockPool.from_budget(fmt, opts.kv_cache_mb, model.device)

@@ -35,7 +35,7 @@ import torch
 
 KERNEL_DIR = pathlib.Path(__file__).parent / "kernels"
 KERNEL_FILES = ("kv_append", "flash_decode")
-FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
+FORMATS = ("fp32", "fp16", "bf16", "fp8")  # q4 (per-channel keys since KIVI) runs the torch reference
 MAX_HEAD_DIM = 256
 APPEND_THREADS = 128  # kv_append.cu KVG_APPEND_THREADS
 DECODE_THREADS = 128  # flash_decode.cu KVG_FD_THREADS
@@ -117,21 +117,14 @@ def _format_name(fmt) -> str:
 
 
 def _cache_tensors(name: str, store: dict[str, torch.Tensor], head_dim: int):
-    """(codes / values tensor, scale tensor or None, q4 group size) of a store."""
-    if name == "q4":
-        cache, scale = store["q"], store["scale"]
-        if cache.shape[-1] * 2 != head_dim or head_dim % scale.shape[-1]:
-            raise ValueError(f"q4 store shapes {tuple(cache.shape)}, {tuple(scale.shape)} "
-                             f"do not fit head_dim {head_dim}")
-        group = head_dim // scale.shape[-1]
-    else:
-        cache, scale, group = store["kv"], store.get("scale") if name == "fp8" else None, 1
-        if cache.shape[-1] != head_dim:
-            raise ValueError(f"store head_dim {cache.shape[-1]} != {head_dim}")
+    """(values tensor, scale tensor or None) of a store."""
+    cache, scale = store["kv"], store.get("scale") if name == "fp8" else None
+    if cache.shape[-1] != head_dim:
+        raise ValueError(f"store head_dim {cache.shape[-1]} != {head_dim}")
     for t in (cache, scale):
         if t is not None and not t.is_contiguous():
             raise ValueError("the KV store tensors must be contiguous")
-    return cache, scale, group
+    return cache, scale
 
 
 def _check_int32(name: str, t: torch.Tensor, ndim: int, batch: int) -> None:
@@ -149,8 +142,8 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     position seq_lens[b] (the tokens already cached) of its sequence: block
     block_tables[b, pos // block_size], offset pos % block_size, both looked up on the GPU.
     Rows with seq_lens[b] < 0, a position past the table or a -1 table entry write nothing.
-    fp8 and q4 quantise on the way in (fp8 grows the block's scale and requantises the block's
-    other rows when needed), byte for byte as the torch formats do. seq_lens is not changed: call
+    fp8 quantises on the way in (it grows the block's scale and requantises the block's other
+    rows when needed), byte for byte as the torch format does. seq_lens is not changed: call
     increment() once per step after the last layer."""
     name = _format_name(fmt)
     if k.shape != v.shape or k.dim() != 3 or k.dtype != v.dtype or k.dtype not in _DTYPE_NAME:
@@ -161,7 +154,7 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     _check_int32("seq_lens", seq_lens, 1, b)
     if hd > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {hd} > {MAX_HEAD_DIM}")
-    cache, scale, group = _cache_tensors(name, store, hd)
+    cache, scale = _cache_tensors(name, store, hd)
     _, n_layers, _, block_size, cache_kvh, _ = cache.shape
     if cache_kvh != kvh or not 0 <= layer < n_layers:
         raise ValueError(f"kv_heads {kvh} / layer {layer} do not fit the store {tuple(cache.shape)}")
@@ -171,7 +164,7 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     k, v = k.contiguous(), v.contiguous()
     args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache), _cp(block_tables),
             _cp(seq_lens), np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
-            np.int32(block_size), np.int32(kvh), np.int32(hd), np.int32(group))
+            np.int32(block_size), np.int32(kvh), np.int32(hd))
     fn = f"kv_append_{name}_{_DTYPE_NAME[k.dtype]}"
     _launch("kv_append", fn, dev, (b, kvh, 2), (APPEND_THREADS,), args)
 
@@ -259,7 +252,7 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
     _check_int32("context_lens", context_lens, 1, b)
     if hd > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {hd} > {MAX_HEAD_DIM}")
-    cache, scale, group = _cache_tensors(name, store, hd)
+    cache, scale = _cache_tensors(name, store, hd)
     _, n_layers, _, block_size, kvh, _ = cache.shape
     if h % kvh or not 0 <= layer < n_layers:
         raise ValueError(f"{h} query heads / layer {layer} do not fit the store {tuple(cache.shape)}")
@@ -287,7 +280,7 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
         _cp(q), _cp(cache), _cp(scale if scale is not None else cache), _cp(block_tables),
         _cp(context_lens), _cp(part_acc), _cp(part_ml), np.int32(max_blocks), np.int32(len_offset),
         np.int32(h), np.int32(kvh), np.int32(hd), np.int32(n_layers), np.int32(layer),
-        np.int32(block_size), np.int32(group), np.int32(num_splits),
+        np.int32(block_size), np.int32(num_splits),
         np.float32(sm_scale * math.log2(math.e)))
     _launch("flash_decode", f"flash_decode_split_{name}_{_DTYPE_NAME[q.dtype]}_{hd_name}", dev,
             (num_splits, kvh * chunks, b), (DECODE_THREADS,), split_args)

@@ -1,5 +1,5 @@
 """Fit a format's calibrated parts from the model's own K/V, once, before any request is served:
-key channel scales for quantized formats (formats.KVFormat), and the q3 codebooks.
+key channel scales for fp8 (formats.KVFormat), and the q3 codebooks.
 
 Q3Format starts from a generic normal-quantile codebook; the distribution of normalised K/V
 values differs per layer and between keys (post-RoPE, a few large channels) and values, so

@@ -1,11 +1,11 @@
 """How KV blocks are stored: one class per KV_DTYPE, all behind the same four calls.
 
 A format owns a dict of tensors ("the store") whose leading dims are
-[num_blocks, num_layers, 2 (k, v), block_size, ...], so a block is one contiguous slice of
-every tensor: tiers move it with `store[name][block]` and GPU kernels index it with a
-block table and a block stride.
+[num_blocks, num_layers, 2 (k, v), block_size, ...] (q4 / q3 key scales: [num_blocks,
+num_layers, ...]), so a block is one contiguous slice of every tensor: tiers move it with
+`take_block` / `put_block` and GPU kernels index it with a block table and a block stride.
 
-Quantized layouts (the GPU kernels are bit-exact with these; the quantizers are in quant.py):
+Quantized layouts (the fp8 GPU kernels are bit-exact with these; the quantizers are in quant.py):
 
 fp8  kv    [NB, L, 2, BS, KVH, HD] float8_e4m3fn
      scale [NB, L, 2, KVH] float32: one per block, layer, k|v and KV head.
@@ -15,10 +15,26 @@ fp8  kv    [NB, L, 2, BS, KVH, HD] float8_e4m3fn
      If new > old, the rows already in the block are requantised first:
          q = fp8_quantize(fp8_dequantize(q, old), new); then the new rows are written with `new`.
      read: float32(q) * scale.
-q4   q [NB, L, 2, BS, KVH, HD//2] uint8, scale [NB, L, 2, BS, KVH, HD//G] float16 (q4_quantize
-     per token and head; G = group size, default min(32, HD)).
-q3   q [NB, L, 2, BS, KVH, HD*3//8] uint8, scale [NB, L, 2, BS, KVH, HD//G] float16 (q3_quantize
-     per token and head); codebook [L, 2, 8] float32 lives on the format object, not in the store.
+q4   q      [NB, L, 2, BS, KVH, HD//2] uint8, two codes per byte.
+     vscale [NB, L, BS, KVH, HD//G] float16: values per token and group of G dims (q4_quantize;
+            G = group size, default min(32, HD)).
+     kscale [NB, L, KVH, HD] float16: keys per channel over the block's tokens (KIVI): a key
+            channel's size depends on the channel, not the token, so per-token groups stretch
+            to fit the few large channels and crush the rest (+15% perplexity on long text).
+     Key writes grow the channel scales as fp8 grows its scale: per touched (block, head,
+     channel), old = 0 for a write covering offset 0, else kscale; new = max(old, float16(amax
+     of the new rows / 7)); rows already there are re-encoded with new (an identity where the
+     scale did not change).
+q3   q      [NB, L, 2, BS, KVH, HD*3//8] uint8; vscale / kscale as q4 with scale = float16(absmax)
+     and codes the nearest of 8 centroids; codebook [L, 2, 8] float32 lives on the format
+     object, not in the store.
+
+Recent block exact (KIVI's full-precision residual): quantized formats given `recent_slots`
+keep each sequence's filling block exact in a stage (`Stage`, store["stage"]) and quantize it
+once it is full, so a block's key scales come from all of its tokens and the tokens every
+query attends to most (its neighbours) are never rounded. A slot is taken by a write to layer
+0 that leaves a block part-filled and given back when the last layer fills the block or the
+pool frees it; with no slot free, writes go straight to the quantized store.
 """
 
 from __future__ import annotations
@@ -28,44 +44,199 @@ import torch
 from kvgen.engine.kv import quant
 
 
+class Stage:
+    """Exact K/V rows of each sequence's newest block: rows [slots, L, 2, BS, KVH, HD] in the
+    compute dtype; slot_of [num_blocks, L] (-1: read that layer of the block from the quantized
+    store); pending[layer]: full blocks to quantize at that layer's next write that leaves them."""
+
+    def __init__(self, fmt: KVFormat, slots: int, num_blocks: int, device):
+        self.rows = torch.zeros(slots, fmt.num_layers, 2, fmt.block_size, fmt.num_kv_heads, fmt.head_dim,
+                                dtype=fmt.compute_dtype, device=device)
+        self.slot_of = torch.full((num_blocks, fmt.num_layers), -1, dtype=torch.long, device=device)
+        self.held: dict[int, int] = {}  # block -> slot (no device sync to ask)
+        self.free = list(range(slots))
+        self.pending: list[set[int]] = [set() for _ in range(fmt.num_layers)]
+
+    def acquire(self, block: int) -> int | None:
+        if block in self.held:
+            return self.held[block]
+        if not self.free:
+            return None
+        slot = self.held[block] = self.free.pop()
+        self.slot_of[block] = slot
+        return slot
+
+    def release(self, blocks) -> None:
+        for b in blocks:
+            slot = self.held.pop(b, None)
+            if slot is not None:
+                self.slot_of[b] = -1
+                self.free.append(slot)
+                for p in self.pending:
+                    p.discard(b)
+
+
 class KVFormat:
-    """Key channel equalisation (quantized formats): post-RoPE keys have a few channels far
-    larger than the rest, and one scale per group of a token stretches to fit them, which
-    crushes the small channels (on SmolLM2, q4 keys alone cost +23% perplexity). Scores only
-    need q.k, and q.k = (q * s).(k / s) for any per-channel s, so the model hands these formats
-    keys divided by s and queries multiplied by it (`qk_scale`, [layers, q heads + kv heads,
-    head_dim], set by calibrate.calibrate_format from the model's own keys): the cache holds
-    keys whose channels are all of one size, and attention reads them back unchanged.
+    """Key channel equalisation (fp8): post-RoPE keys have a few channels far larger than the
+    rest, and one scale per block and head stretches to fit them, which crushes the small
+    channels. Scores only need q.k, and q.k = (q * s).(k / s) for any per-channel s, so the
+    model hands these formats keys divided by s and queries multiplied by it (`qk_scale`,
+    [layers, q heads + kv heads, head_dim], set by calibrate.calibrate_format from the model's
+    own keys): the cache holds keys whose channels are all of one size, and attention reads
+    them back unchanged. (q4 / q3 keys have a scale per channel already.)
+
+    Subclasses implement _allocate / _write / _read on the quantized store; write / read add
+    the stage of recent blocks around them.
     """
 
     name: str = ""
     equalize_keys = False  # calibrate_format fits qk_scale for this format
 
     def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32, recent_slots: int = 0):
         self.num_layers = num_layers
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.compute_dtype = compute_dtype
+        self.recent_slots = recent_slots  # sequences whose filling block stays exact (0: none)
         self.qk_scale: torch.Tensor | None = None
 
-    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> dict:
+        store = self._allocate(num_blocks, device)
+        if self.recent_slots:
+            store["stage"] = Stage(self, self.recent_slots, num_blocks, device)
+        return store
 
-    def write(self, store: dict[str, torch.Tensor], layer: int, blocks: torch.Tensor,
-              offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(self, store: dict, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
+              k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [N, kv_heads, head_dim] at (blocks[i], offsets[i]) for one layer."""
+        stage = store.get("stage")
+        if stage is None:
+            return self._write(store, layer, blocks, offsets, k, v)
+        bl, of = blocks.tolist(), offsets.tolist()
+        span: dict[int, list[int]] = {}  # block -> [first offset, last offset] written
+        for b, o in zip(bl, of, strict=True):
+            lo_hi = span.setdefault(b, [o, o])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], o), max(lo_hi[1], o)
+        last = self.block_size - 1
+        # A full block stays exact until a write goes elsewhere (its sequence's next block):
+        # the query that filled it, like every other, saw its own block exact.
+        done = [b for b in stage.pending[layer] if b not in span]
+        if done:
+            self._flush(store, stage, layer, done)
+        if layer == 0:  # slots are taken for all layers at once
+            for b, (lo, hi) in span.items():
+                if b in stage.held or (lo == 0 and hi == last):  # a block written whole is old at once
+                    continue
+                if stage.acquire(b) is not None and lo > 0:
+                    self._stage_existing(store, stage, b)  # e.g. a block cut by truncate
+        slots = [stage.held.get(b, -1) for b in bl]
+        staged = [i for i, sl in enumerate(slots) if sl >= 0]
+        if len(staged) < len(bl):
+            rest = torch.tensor([i for i, sl in enumerate(slots) if sl < 0], device=k.device)
+            self._write(store, layer, blocks[rest], offsets[rest], k[rest], v[rest])
+        if not staged:
+            return
+        dev = stage.rows.device
+        idx = torch.tensor(staged, device=k.device)
+        sl = torch.tensor([slots[i] for i in staged], device=dev)
+        off = torch.tensor([of[i] for i in staged], device=dev)
+        rows = stage.rows[:, layer]  # [S, 2, BS, KVH, HD]
+        rows[:, 0].index_put_((sl, off), k[idx].to(dev, rows.dtype))
+        rows[:, 1].index_put_((sl, off), v[idx].to(dev, rows.dtype))
+        stage.pending[layer].update(b for b, (_, hi) in span.items() if hi == last and b in stage.held)
+
+    def _flush(self, store: dict, stage: Stage, layer: int, blocks: list[int]) -> None:
+        """Quantize full staged blocks into the store at one layer (all their tokens known now);
+        the last layer gives their slots back."""
+        dev = stage.rows.device
+        x = stage.rows[torch.tensor([stage.held[b] for b in blocks], device=dev), layer]  # [F, 2, BS, ...]
+        ids = torch.tensor(blocks, device=stage.slot_of.device)
+        fb = ids.repeat_interleave(self.block_size)
+        fo = torch.arange(self.block_size, device=ids.device).repeat(len(blocks))
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        self._write(store, layer, fb, fo, x[:, 0].reshape(shape), x[:, 1].reshape(shape))
+        stage.slot_of[ids, layer] = -1
+        stage.pending[layer].difference_update(blocks)
+        if layer == self.num_layers - 1:
+            stage.release(blocks)
+
+    def _stage_existing(self, store: dict, stage: Stage, block: int) -> None:
+        ids = torch.tensor([block], device=stage.slot_of.device)
+        slot = stage.held[block]
+        for layer in range(self.num_layers):
+            k, v = self._read(store, layer, ids)
+            stage.rows[slot, layer, 0], stage.rows[slot, layer, 1] = k[0], v[0]
+
+    def read(self, store: dict, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the given blocks for one layer: [M, block_size, kv_heads, head_dim] each."""
+        k, v = self._read(store, layer, block_ids)
+        stage = store.get("stage")
+        if stage is not None and stage.held:
+            slot = stage.slot_of[:, layer].index_select(0, block_ids)
+            hit = (slot >= 0).nonzero()[:, 0]
+            if hit.numel():
+                x = stage.rows[slot[hit], layer].to(k.dtype)  # [h, 2, BS, KVH, HD]
+                k, v = k.index_copy(0, hit, x[:, 0]), v.index_copy(0, hit, x[:, 1])
+        return k, v
+
+    def release(self, store: dict, blocks: list[int]) -> None:
+        """The pool freed these blocks: their stage slots are free again."""
+        stage = store.get("stage")
+        if stage is not None:
+            stage.release(blocks)
+
+    def take_block(self, store: dict, block: int, fill: int) -> dict[str, torch.Tensor]:
+        """Everything the store holds for one block (copies), for tiers to park elsewhere; the
+        block's stage rows past `fill` are zeroed."""
+        out = {name: t[block].clone() for name, t in store.items() if name != "stage"}
+        stage = store.get("stage")
+        if stage is not None and block in stage.held:
+            rows = stage.rows[stage.held[block]].clone()
+            rows[:, :, fill:] = 0
+            out["stage"] = rows
+        return out
+
+    def put_block(self, store: dict, block: int, data: dict[str, torch.Tensor], fill: int) -> None:
+        """Inverse of take_block into a freshly allocated block (with no stage slot free, staged
+        rows are quantized into the block)."""
+        for name, t in data.items():
+            if name != "stage":
+                store[name][block] = t.to(store[name].device)
+        if "stage" not in data:
+            return
+        stage = store.get("stage")
+        slot = stage.acquire(block) if stage is not None else None
+        if slot is not None:
+            stage.rows[slot] = data["stage"].to(stage.rows.device, stage.rows.dtype)
+            if fill == self.block_size:  # full: quantized at the next write, as before it left
+                for p in stage.pending:
+                    p.add(block)
+            return
+        dev = next(iter(store.values())).device
+        blocks, offsets = torch.full((fill,), block, device=dev), torch.arange(fill, device=dev)
+        for layer in range(self.num_layers):
+            x = data["stage"][layer, :, :fill].to(dev)
+            self._write(store, layer, blocks, offsets, x[0], x[1])
+
+    def _allocate(self, num_blocks: int, device) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def read(self, store: dict[str, torch.Tensor], layer: int,
-             block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the given blocks for one layer: [M, block_size, kv_heads, head_dim] each."""
+    def _write(self, store, layer, blocks, offsets, k, v) -> None:
+        raise NotImplementedError
+
+    def _read(self, store, layer, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
     def bytes_per_block(self) -> int:
-        store = self.allocate(1, "meta")
+        store = self._allocate(1, "meta")
         return sum(t.numel() * t.element_size() for t in store.values())
+
+    def stage_bytes(self) -> int:
+        """Memory of the stage of recent blocks (outside the blocks)."""
+        return self.recent_slots * self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim \
+            * torch.empty(0, dtype=self.compute_dtype).element_size()
 
     def bytes_per_token_per_layer(self) -> float:
         return self.bytes_per_block() / (self.block_size * self.num_layers)
@@ -79,7 +250,7 @@ class PlainFormat(KVFormat):
         self.dtype = dtype
         self.name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
-    def allocate(self, num_blocks, device="cpu"):
+    def _allocate(self, num_blocks, device):
         shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         return {"kv": torch.zeros(shape, dtype=self.dtype, device=device)}
 
@@ -92,12 +263,12 @@ class PlainFormat(KVFormat):
             self._views_of = kv
         return self._views
 
-    def write(self, store, layer, blocks, offsets, k, v):
+    def _write(self, store, layer, blocks, offsets, k, v):
         kl, vl = self._layer_views(store)[layer]
         kl.index_put_((blocks, offsets), k if k.dtype == self.dtype else k.to(self.dtype))
         vl.index_put_((blocks, offsets), v if v.dtype == self.dtype else v.to(self.dtype))
 
-    def read(self, store, layer, block_ids):
+    def _read(self, store, layer, block_ids):
         kl, vl = self._layer_views(store)[layer]
         k, v = kl.index_select(0, block_ids), vl.index_select(0, block_ids)  # 3x faster than kl[ids]
         if self.dtype != self.compute_dtype:
@@ -115,7 +286,7 @@ class Fp8Format(KVFormat):
     name = "fp8"
     equalize_keys = True
 
-    def allocate(self, num_blocks, device="cpu"):
+    def _allocate(self, num_blocks, device):
         lead = (num_blocks, self.num_layers, 2)
         return {
             "kv": torch.zeros(*lead, self.block_size, self.num_kv_heads, self.head_dim,
@@ -123,7 +294,7 @@ class Fp8Format(KVFormat):
             "scale": torch.zeros(*lead, self.num_kv_heads, dtype=torch.float32, device=device),
         }
 
-    def write(self, store, layer, blocks, offsets, k, v):
+    def _write(self, store, layer, blocks, offsets, k, v):
         kv, scale = store["kv"][:, layer], store["scale"][:, layer]  # views: [NB, 2, ...]
         x = torch.stack((k, v), dim=1).float()  # [N, 2, KVH, HD]
         ub, inv = torch.unique(blocks, return_inverse=True)
@@ -152,7 +323,7 @@ class Fp8Format(KVFormat):
         q = quant.fp8_quantize(x, new[inv].unsqueeze(-1))  # [N, 2, KVH, HD]
         kv[blocks, :, offsets] = q
 
-    def read(self, store, layer, block_ids):
+    def _read(self, store, layer, block_ids):
         kv = store["kv"][block_ids, layer]  # [M, 2, BS, KVH, HD]
         s = store["scale"][block_ids, layer]  # [M, 2, KVH]
         x = quant.fp8_dequantize(kv, s[:, :, None, :, None]).to(self.compute_dtype)
@@ -160,9 +331,8 @@ class Fp8Format(KVFormat):
 
 
 class _GroupFormat(KVFormat):
-    """Shared by q4 / q3: per token and head, packed codes plus float16 scales per group."""
-
-    equalize_keys = True
+    """Shared by q4 / q3: packed codes; values with float16 scales per token and group, keys
+    with float16 scales per channel over the block (layout in the module doc)."""
 
     def __init__(self, *args, group_size: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -173,35 +343,63 @@ class _GroupFormat(KVFormat):
     def _packed_dim(self) -> int:
         raise NotImplementedError
 
-    def _quantize(self, layer: int, kv_index: int, x: torch.Tensor):
+    def _scale(self, amax: torch.Tensor) -> torch.Tensor:
+        """float16 scale of values whose absmax is amax."""
         raise NotImplementedError
 
-    def _dequantize(self, layer: int, kv_index: int, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    def _encode(self, layer: int, kv_index: int, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def allocate(self, num_blocks, device="cpu"):
-        lead = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads)
+    def _decode(self, layer: int, kv_index: int, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _allocate(self, num_blocks, device):
+        lead = (num_blocks, self.num_layers)
+        bs, kvh, hd = self.block_size, self.num_kv_heads, self.head_dim
         return {
-            "q": torch.zeros(*lead, self._packed_dim(), dtype=torch.uint8, device=device),
-            "scale": torch.zeros(*lead, self.head_dim // self.group_size, dtype=torch.float16,
-                                 device=device),
+            "q": torch.zeros(*lead, 2, bs, kvh, self._packed_dim(), dtype=torch.uint8, device=device),
+            "vscale": torch.zeros(*lead, bs, kvh, hd // self.group_size, dtype=torch.float16, device=device),
+            "kscale": torch.zeros(*lead, kvh, hd, dtype=torch.float16, device=device),
         }
 
-    def write(self, store, layer, blocks, offsets, k, v):
-        qs, ss = store["q"][:, layer], store["scale"][:, layer]
-        for i, x in enumerate((k, v)):
-            q, s = self._quantize(layer, i, x.float())
-            qs[blocks, i, offsets] = q
-            ss[blocks, i, offsets] = s
+    def _write(self, store, layer, blocks, offsets, k, v):
+        q, vs, ks = store["q"][:, layer], store["vscale"][:, layer], store["kscale"][:, layer]
+        g = self.group_size
+        # values: per token and group
+        v = v.float()
+        s = self._scale(v.reshape(*v.shape[:-1], -1, g).abs().amax(-1))
+        vs[blocks, offsets] = s
+        q[blocks, 1, offsets] = self._encode(layer, 1, v, s.float().repeat_interleave(g, -1))
+        # keys: per (block, head, channel), grown as rows arrive
+        k = k.float()
+        ub, inv = torch.unique(blocks, return_inverse=True)
+        amax = torch.zeros(ub.numel(), *k.shape[1:], dtype=torch.float32, device=k.device)
+        amax.scatter_reduce_(0, inv.view(-1, 1, 1).expand_as(k), k.abs(), "amax")
+        fresh = torch.zeros(ub.numel(), dtype=torch.bool, device=k.device)
+        fresh[inv[offsets == 0]] = True
+        old = torch.where(fresh.view(-1, 1, 1), 0.0, ks[ub].float())
+        new = torch.maximum(old, self._scale(amax).float())
+        grow = ((new > old) & ~fresh.view(-1, 1, 1)).flatten(1).any(1)
+        if grow.any():  # re-encode the rows already there with the grown scales
+            gb = ub[grow]
+            cur = self._decode(layer, 0, q[gb, 0], old[grow].unsqueeze(1))  # [G, BS, KVH, HD]
+            q[gb, 0] = self._encode(layer, 0, cur, new[grow].unsqueeze(1))
+        ks[ub] = new.to(torch.float16)
+        q[blocks, 0, offsets] = self._encode(layer, 0, k, new[inv])
 
-    def read(self, store, layer, block_ids):
-        q, s = store["q"][block_ids, layer], store["scale"][block_ids, layer]
-        return tuple(self._dequantize(layer, i, q[:, i], s[:, i]).to(self.compute_dtype)
-                     for i in range(2))
+    def _read(self, store, layer, block_ids):
+        q = store["q"][block_ids, layer]  # [M, 2, BS, KVH, P]
+        g = self.group_size
+        vs = store["vscale"][block_ids, layer].float().repeat_interleave(g, -1)  # [M, BS, KVH, HD]
+        ks = store["kscale"][block_ids, layer].unsqueeze(1)  # [M, 1, KVH, HD]
+        k = self._decode(layer, 0, q[:, 0], ks)
+        v = self._decode(layer, 1, q[:, 1], vs)
+        return k.to(self.compute_dtype), v.to(self.compute_dtype)
 
 
 class Q4Format(_GroupFormat):
-    """4-bit symmetric absmax groups along head_dim, two codes per byte (quant.q4_quantize)."""
+    """4-bit symmetric absmax codes, two per byte: values per token and group along head_dim
+    (quant.q4_quantize), keys per channel over the block."""
 
     name = "q4"
 
@@ -213,22 +411,26 @@ class Q4Format(_GroupFormat):
     def _packed_dim(self):
         return self.head_dim // 2
 
-    def _quantize(self, layer, kv_index, x):
-        return quant.q4_quantize(x, self.group_size)
+    def _scale(self, amax):
+        return (amax / 7).to(torch.float16)
 
-    def _dequantize(self, layer, kv_index, q, s):
-        return quant.q4_dequantize(q, s, self.group_size)
+    def _encode(self, layer, kv_index, x, s):
+        return quant.q4_encode(x, s)
+
+    def _decode(self, layer, kv_index, q, s):
+        return quant.q4_decode(q, s)
 
 
 class Q3Format(_GroupFormat):
-    """3-bit non-uniform codebook (8 centroids) per layer and k|v, float16 absmax per group.
+    """3-bit non-uniform codebook (8 centroids) per layer and k|v, float16 absmax scales: values
+    per token and group, keys per channel over the block.
 
-    Keys are quantized after RoPE, as they arrive: paged attention (and the GPU kernels) read
-    post-RoPE keys straight from the cache, and keys stored before RoPE would need RoPE applied
-    to every cached key on every decode step. KVQuant quantizes pre-RoPE keys per channel to
-    contain a few outlier channels; here every group of head_dim has its own absmax scale, so an
-    outlier channel only stretches the scale of its own group of one token, and the codebook
-    ends are pinned at +-1 so each group's largest value is kept exactly.
+    Keys are quantized after RoPE, as they arrive: paged attention reads post-RoPE keys straight
+    from the cache, and keys stored before RoPE would need RoPE applied to every cached key on
+    every decode step. KVQuant quantizes pre-RoPE keys per channel to contain a few outlier
+    channels; here each channel has its own scale per block of post-RoPE keys (KIVI), which
+    follows a channel whose size turns with its RoPE pair along the sequence. The codebook ends
+    are pinned at +-1 so each group's (channel's) largest value is kept exactly.
 
     `codebook` starts as the normal quantiles scaled into [-1, 1]; `calibrate` refits it. Blocks
     written before a refit would decode with the new codebook, so calibrate before serving.
@@ -245,37 +447,35 @@ class Q3Format(_GroupFormat):
     def _packed_dim(self):
         return self.head_dim * 3 // 8
 
-    def _quantize(self, layer, kv_index, x):
-        cb = self.codebook[layer, kv_index].to(x.device)
-        return quant.q3_quantize(x, cb, self.group_size)
+    def _scale(self, amax):
+        return amax.to(torch.float16)
 
-    def _dequantize(self, layer, kv_index, q, s):
-        cb = self.codebook[layer, kv_index].to(q.device)
-        return quant.q3_dequantize(q, s, cb, self.group_size)
+    def _encode(self, layer, kv_index, x, s):
+        return quant.q3_encode(x, s, self.codebook[layer, kv_index].to(x.device))
+
+    def _decode(self, layer, kv_index, q, s):
+        return quant.q3_decode(q, s, self.codebook[layer, kv_index].to(q.device))
 
     def calibrate(self, layer: int, kv_index: int, x: torch.Tensor, **fit_opts) -> torch.Tensor:
-        """Fit the codebook of (layer, k=0|v=1) on samples x [tokens, ..., head_dim] (keys post-RoPE).
+        """Fit the codebook of (layer, k=0|v=1) on samples x [tokens, kv_heads, head_dim] (keys
+        post-RoPE), normalised as the cache will: values per token and group, keys per channel
+        over runs of block_size tokens.
 
         Sensitivity proxy (we have no gradients at serving time, so no Fisher information):
         the error of a value in the original domain is s * (error of y), so every normalised y is
-        weighted by s^2, which makes k-means minimise the real squared error. Keys also get the
-        mean square of their channel over the samples: a logit q.k weighs k's error in channel d
-        by q_d, and the large-magnitude key channels are the ones queries line up with, so this
-        stands in for E[q_d^2]. (Weighting each element by its own x^2 was tried: it gave up the
-        small values and tripled the error on Gaussian data. With keys equalised by qk_scale,
-        weighing by their original channel sizes instead was tried too: +42% perplexity against
-        +31% on SmolLM2.)
+        weighted by s^2, which makes k-means minimise the real squared error. (Weighting each
+        element by its own x^2 was tried: it gave up the small values and tripled the error on
+        Gaussian data.)
         """
         x = x.detach().float().cpu()
-        g = self.group_size
-        xg = x.reshape(*x.shape[:-1], -1, g)
+        if kv_index == 0:
+            n = x.shape[0] // self.block_size * self.block_size or x.shape[0]
+            xg = x[:n].reshape(-1, min(n, self.block_size), *x.shape[1:]).transpose(1, -1)  # channel groups
+        else:
+            xg = x.reshape(*x.shape[:-1], -1, self.group_size)
         s = xg.abs().amax(-1, keepdim=True).to(torch.float16).float()
         y = torch.where(s > 0, xg / torch.where(s > 0, s, 1.0), 0.0)
-        w = (s * s).expand_as(y)
-        if kv_index == 0:
-            chan = x.pow(2).mean(0, keepdim=True)  # per channel (head, dim) over the tokens
-            w = w * chan.reshape(1, *xg.shape[1:])
-        self.codebook[layer, kv_index] = quant.fit_codebook(y, w, **fit_opts)
+        self.codebook[layer, kv_index] = quant.fit_codebook(y, (s * s).expand_as(y), **fit_opts)
         return self.codebook[layer, kv_index]
 
 
@@ -284,18 +484,20 @@ KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "q4", "q3")  # auto: plain, 
 
 def make_format(name: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                 compute_dtype: torch.dtype = torch.float32, **opts) -> KVFormat:
-    """opts: group_size (q4, q3); group_size=None is accepted by every format."""
+    """opts: group_size (q4, q3), recent_slots (fp8, q4, q3: sequences whose filling block stays
+    exact, see the module doc); None is accepted by every format."""
     args = (num_layers, block_size, num_kv_heads, head_dim)
     plain = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "auto": compute_dtype}
     grouped = {"q4": Q4Format, "q3": Q3Format}
-    allowed = {"group_size"} if name in grouped else set()
+    allowed = {"group_size", "recent_slots"} if name in grouped else {"recent_slots"} if name == "fp8" else set()
     extra = {k for k, val in opts.items() if k not in allowed and val is not None}
     if extra:
         raise TypeError(f"KV dtype {name!r} takes no option(s) {', '.join(sorted(extra))}")
     if name in plain:
         return PlainFormat(*args, dtype=plain[name], compute_dtype=compute_dtype)
     if name == "fp8":
-        return Fp8Format(*args, compute_dtype=compute_dtype)
+        return Fp8Format(*args, compute_dtype=compute_dtype, recent_slots=opts.get("recent_slots") or 0)
     if name in grouped:
-        return grouped[name](*args, compute_dtype=compute_dtype, **opts)
+        return grouped[name](*args, compute_dtype=compute_dtype, group_size=opts.get("group_size"),
+                             recent_slots=opts.get("recent_slots") or 0)
     raise ValueError(f"unknown KV dtype {name!r}; expected one of {', '.join(KV_DTYPES)}")

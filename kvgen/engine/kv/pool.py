@@ -31,7 +31,8 @@ class BlockPool:
 
     @classmethod
     def from_budget(cls, fmt: KVFormat, budget_mb: float, device="cpu") -> BlockPool:
-        return cls(fmt, int(budget_mb * 2**20) // fmt.bytes_per_block(), device)
+        """As many blocks as fit in budget_mb next to the format's stage of recent blocks."""
+        return cls(fmt, (int(budget_mb * 2**20) - fmt.stage_bytes()) // fmt.bytes_per_block(), device)
 
     @property
     def available(self) -> int:
@@ -59,6 +60,7 @@ class BlockPool:
                 self._allocated.discard(b)
                 self._fill[b] = 0
                 self._free.append(b)
+            self.fmt.release(self.store, blocks)
         if self.on_free and blocks:
             self.on_free(blocks)
 

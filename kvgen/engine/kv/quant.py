@@ -26,6 +26,12 @@ q3, group size G, codebook c: float32[8] sorted ascending (D % G == 0, D % 8 == 
     dequantize: c[idx] * s
     packed uint8 [..., D*3//8], scales float16 [..., D//G]
 
+Per-channel keys (q4 / q3 key halves of a block, KIVI's layout): the same codes and packing,
+but one scale per channel taken over the block's tokens instead of one per token and group:
+    q4: scale[c] = float16(absmax over tokens of x[:, c] / 7);  q3: scale[c] = float16(absmax)
+    codes as above with s = float32(scale[c]) for every element of channel c.
+q4_encode / q4_decode and q3_encode / q3_decode take the scale already broadcast to x.
+
 Scales are float16, so |x| must stay below ~4.5e5 for q4 (65504 * 7) and 65504 for q3, far above
 any KV activation; beyond that the scale is inf and dequantizing gives nan. Groups whose
 absmax is below 2^-14 get a subnormal float16 scale with less relative precision (errors stay
@@ -65,15 +71,26 @@ def _safe_div(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.where(pos, x / torch.where(pos, s, torch.ones_like(s)), torch.zeros_like(x))
 
 
+def q4_encode(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Packed q4 codes of x with float32 scales s (broadcastable to x)."""
+    if x.shape[-1] % 2:
+        raise ValueError("q4 needs an even last dim")
+    y = _safe_div(x.float(), s.float())
+    q = (torch.round(y).clamp(-8, 7) + 8).to(torch.uint8)
+    q = q.reshape(*q.shape[:-1], -1, 2)
+    return q[..., 0] | (q[..., 1] << 4)
+
+
+def q4_decode(packed: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return (q4_unpack(packed).float() - 8) * s.float()
+
+
 def q4_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     if x.shape[-1] % 2:
         raise ValueError("q4 needs an even last dim")
     xg = _groups(x.float(), group)
     scale = (xg.abs().amax(-1) / 7).to(torch.float16)
-    y = _safe_div(xg, scale.float().unsqueeze(-1))
-    q = (torch.round(y).clamp(-8, 7) + 8).to(torch.uint8).reshape(x.shape)
-    q = q.reshape(*x.shape[:-1], -1, 2)
-    return q[..., 0] | (q[..., 1] << 4), scale
+    return q4_encode(x, scale.float().repeat_interleave(group, -1)), scale
 
 
 def q4_unpack(packed: torch.Tensor) -> torch.Tensor:
@@ -112,6 +129,16 @@ def q3_unpack(packed: torch.Tensor) -> torch.Tensor:
     bits = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
     shifts = torch.arange(0, 24, 3, dtype=torch.int32, device=packed.device)
     return ((bits.unsqueeze(-1) >> shifts) & 7).flatten(-2).long()
+
+
+def q3_encode(x: torch.Tensor, s: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Packed q3 codes of x with float32 scales s (broadcastable to x)."""
+    y = _safe_div(x.float(), s.float())
+    return q3_pack((y.unsqueeze(-1) - codebook.float()).abs().argmin(-1))
+
+
+def q3_decode(packed: torch.Tensor, s: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    return codebook.float()[q3_unpack(packed)] * s.float()
 
 
 def q3_quantize(x: torch.Tensor, codebook: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

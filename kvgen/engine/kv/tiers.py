@@ -294,7 +294,7 @@ class TieredKV:
 
     def _encode(self, block: int, fill: int) -> dict[str, torch.Tensor]:
         if self.codec == "raw":
-            return {name: t[block].clone() for name, t in self.pool.store.items()}
+            return self.fmt.take_block(self.pool.store, block, fill)
         x = self._read_block(block)[:, :, :fill]  # [L, 2, fill, KVH, HD] float32
         if self.codec == "fp8":
             # One scale per layer, k|v and head, as Fp8Format keeps per block.
@@ -316,8 +316,7 @@ class TieredKV:
     def _restore(self, p: _Parked, block: int) -> None:
         t = p.tensors if p.tensors is not None else self._read_cold(p)
         if self.codec == "raw":
-            for name, v in t.items():
-                self.pool.store[name][block] = v.to(self.pool.store[name].device)
+            self.fmt.put_block(self.pool.store, block, t, p.fill)
             return
         x = self._decode(t)
         blocks, offsets = torch.full((p.fill,), block), torch.arange(p.fill)
