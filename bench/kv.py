@@ -66,8 +66,8 @@ class Emulated(KVFormat):
         store["shadow"] = self.shadow.allocate(num_blocks, device)["kv"]
         return store
 
-    def write(self, store, layer, blocks, offsets, k, v):
-        self.inner.write(store, layer, blocks, offsets, k, v)
+    def write(self, store, layer, blocks, offsets, k, v, positions=None):
+        self.inner.write(store, layer, blocks, offsets, k, v, positions)
         self.shadow.write({"kv": store["shadow"]}, layer, blocks, offsets, k, v)
 
     def read(self, store, layer, block_ids):

@@ -358,3 +358,25 @@ def test_take_and_put_block_carry_the_exact_rows():
     assert 0 not in store["stage"].held
     K, _ = fmt.read(store, 0, torch.tensor([0]))
     assert ((K[0, :2] - x).abs() <= x.abs().amax(0) / 14 * (1 + 2**-10) + 1e-6).all()
+
+
+@pytest.mark.parametrize("name", ["fp8", "q4", "q3"])
+def test_first_token_of_a_sequence_stays_exact(name):
+    """The attention sink: the row written at position 0 reads back exact after its block is
+    quantized, moves with the block (take / put) and is forgotten when the block is freed."""
+    bs, kvh, hd = 4, 1, 8
+    fmt = make_format(name, L, bs, kvh, hd, recent_slots=1)
+    store = fmt.allocate(3)
+    x = rows_like(torch.Generator().manual_seed(4), bs, kvh, hd)
+    for layer in range(L):  # a whole block at once: quantized at once, but for its first token
+        fmt.write(store, layer, torch.zeros(bs, dtype=torch.long), torch.arange(bs), x, -x, torch.arange(bs))
+    K, V = fmt.read(store, 1, torch.tensor([0]))
+    assert torch.equal(K[0, 0], x[0]) and torch.equal(V[0, 0], -x[0])
+    assert not torch.equal(K[0, 1:], x[1:])
+    data = fmt.take_block(store, 0, fill=bs)
+    fmt.release(store, [0])
+    assert not store["stage"].sink_held
+    assert not torch.equal(fmt.read(store, 1, torch.tensor([0]))[0][0, 0], x[0])
+    fmt.put_block(store, 2, data, fill=bs)
+    K2, _ = fmt.read(store, 1, torch.tensor([2]))
+    assert torch.equal(K2, K)

@@ -240,7 +240,7 @@ class Model:
             if fmt.qk_scale is not None:  # quantized keys: channels equalised (formats.py)
                 qk = qk * fmt.qk_scale[i]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-            fmt.write(store, i, step.write_blocks, step.write_offsets, k, v)
+            fmt.write(store, i, step.write_blocks, step.write_offsets, k, v, step.positions)
             a = attend(q, fmt, store, i, step)
             h += layer.o(a.reshape(T, self.q_size))
             x = layer.ln2(h)

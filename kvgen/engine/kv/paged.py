@@ -71,7 +71,8 @@ class PagedKVCache:
         n = k.shape[0]
         self.reserve(n)
         blocks, offsets = self.slots(self.length, n)
-        self.pool.fmt.write(self.pool.store, layer, blocks, offsets, k, v)
+        positions = torch.arange(self.length, self.length + n)
+        self.pool.fmt.write(self.pool.store, layer, blocks, offsets, k, v, positions)
         if layer == self.pool.fmt.num_layers - 1:
             self.advance(n)
 
