@@ -380,3 +380,12 @@ def test_first_token_of_a_sequence_stays_exact(name):
     fmt.put_block(store, 2, data, fill=bs)
     K2, _ = fmt.read(store, 1, torch.tensor([2]))
     assert torch.equal(K2, K)
+    # a first block filled token by token: staged, then quantized once the sequence moves on
+    store = fmt.allocate(3)
+    for pos in range(bs + 1):
+        for layer in range(L):
+            fmt.write(store, layer, torch.tensor([pos // bs]), torch.tensor([pos % bs]), x[pos % bs:pos % bs + 1],
+                      -x[pos % bs:pos % bs + 1], torch.tensor([pos]))
+    assert list(store["stage"].held) == [1] and list(store["stage"].sink_held) == [0]
+    K, _ = fmt.read(store, 1, torch.tensor([0]))
+    assert torch.equal(K[0, 0], x[0]) and not torch.equal(K[0, 1:], x[1:])

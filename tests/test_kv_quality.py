@@ -18,12 +18,6 @@ TOKENS = 352
 GREEDY_PROMPTS = PROMPTS[:2]
 GREEDY_TOKENS = 64
 
-# Formats that miss their bound today on this short text (bench/results/kv.md has the numbers
-# on the full one). strict: a fix makes these XPASS, which fails, so the marker comes off with it.
-KNOWN_MISSES = {
-    "q3": "q3: ~+10.5% perplexity on these 352 tokens (bound 10%); see bench/results/kv.md for 2,201",
-}
-
 
 @pytest.fixture(scope="module")
 def reference(embedded):
@@ -34,10 +28,7 @@ def reference(embedded):
     return ids, prompts, perplexity(model, ids, fmt), greedy(model, prompts, fmt, GREEDY_TOKENS)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN_MISSES[n])) if n in KNOWN_MISSES else n
-    for n in ("fp16", "bf16", "fp8", "q4", "q3")
-])
+@pytest.mark.parametrize("name", ["fp16", "bf16", "fp8", "q4", "q3"])
 def test_perplexity_within_bound(embedded, reference, name):
     model, tok = embedded
     ids, prompts, ppl32, cont32 = reference

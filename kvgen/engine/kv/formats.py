@@ -30,11 +30,15 @@ q3   q      [NB, L, 2, BS, KVH, HD*3//8] uint8; vscale / kscale as q4 with scale
      object, not in the store.
 
 Recent block exact (KIVI's full-precision residual): quantized formats given `recent_slots`
-keep each sequence's filling block exact in a stage (`Stage`, store["stage"]) and quantize it
-once it is full, so a block's key scales come from all of its tokens and the tokens every
-query attends to most (its neighbours) are never rounded. A slot is taken by a write to layer
-0 that leaves a block part-filled and given back when the last layer fills the block or the
-pool frees it; with no slot free, writes go straight to the quantized store.
+keep each sequence's newest block exact in a stage (`Stage`, store["stage"]) and quantize it
+once it is full and a later write goes elsewhere (its sequence moved on), so a block's key
+scales come from all of its tokens and the tokens every query attends to most (its own
+block's) are never rounded. A slot is taken by a write to layer 0 that leaves a block
+part-filled, and given back when a later forward pass quantizes the block or the pool frees it; a
+block written whole in one go (a long prompt's inner blocks) is quantized at once; with no
+slot free, writes go straight to the quantized store. The stage also
+keeps each sequence's first token exact for as long as its block lives (the attention sink;
+writes say which rows are position 0).
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ from kvgen.engine.kv import quant
 
 class Stage:
     """Exact K/V rows of each sequence's newest block: rows [slots, L, 2, BS, KVH, HD] in the
-    compute dtype; slot_of [num_blocks, L] (-1: read that layer of the block from the quantized
-    store); pending[layer]: full blocks to quantize at that layer's next write that leaves them.
+    compute dtype; slot_of [num_blocks] (-1: read the block from the quantized store); pending:
+    full blocks to quantize (every layer) at the next forward pass that writes elsewhere.
 
     And each sequence's first token (position 0), for good: sink [sink slots, L, 2, KVH, HD],
     sink_of [num_blocks]. Most heads put much of their attention on it (the attention sink), so
@@ -58,10 +62,10 @@ class Stage:
     def __init__(self, fmt: KVFormat, slots: int, num_blocks: int, device):
         self.rows = torch.zeros(slots, fmt.num_layers, 2, fmt.block_size, fmt.num_kv_heads, fmt.head_dim,
                                 dtype=fmt.compute_dtype, device=device)
-        self.slot_of = torch.full((num_blocks, fmt.num_layers), -1, dtype=torch.long, device=device)
+        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
         self.held: dict[int, int] = {}  # block -> slot (no device sync to ask)
         self.free = list(range(slots))
-        self.pending: list[set[int]] = [set() for _ in range(fmt.num_layers)]
+        self.pending: set[int] = set()
         self.sink = torch.zeros(4 * slots, fmt.num_layers, 2, fmt.num_kv_heads, fmt.head_dim,
                                 dtype=fmt.compute_dtype, device=device)
         self.sink_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
@@ -87,17 +91,22 @@ class Stage:
         return slot
 
     def release(self, blocks) -> None:
+        """The blocks are freed: their slots (rows and first token) are free again."""
         for b in blocks:
             slot = self.sink_held.pop(b, None)
             if slot is not None:
                 self.sink_of[b] = -1
                 self.sink_free.append(slot)
+        self.release_rows(blocks)
+
+    def release_rows(self, blocks) -> None:
+        """The blocks are quantized: their row slots are free again (a first token stays)."""
+        for b in blocks:
             slot = self.held.pop(b, None)
             if slot is not None:
                 self.slot_of[b] = -1
                 self.free.append(slot)
-                for p in self.pending:
-                    p.discard(b)
+                self.pending.discard(b)
 
 
 class KVFormat:
@@ -150,12 +159,12 @@ class KVFormat:
             lo_hi = span.setdefault(b, [o, o])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], o), max(lo_hi[1], o)
         last = self.block_size - 1
-        # A full block stays exact until a write goes elsewhere (its sequence's next block):
-        # the query that filled it, like every other, saw its own block exact.
-        done = [b for b in stage.pending[layer] if b not in span]
-        if done:
-            self._flush(store, stage, layer, done)
-        if layer == 0:  # slots are taken for all layers at once
+        if layer == 0:  # a forward pass starts: slots are given back and taken for all layers
+            # A full block stays exact until a write goes elsewhere (its sequence's next block):
+            # the query that filled it, like every other, saw its own block exact.
+            done = [b for b in stage.pending if b not in span]
+            if done:
+                self._flush(store, stage, done)
             for b, (lo, hi) in span.items():
                 if b in stage.held or (lo == 0 and hi == last):  # a block written whole is old at once
                     continue
@@ -175,22 +184,22 @@ class KVFormat:
         rows = stage.rows[:, layer]  # [S, 2, BS, KVH, HD]
         rows[:, 0].index_put_((sl, off), k[idx].to(dev, rows.dtype))
         rows[:, 1].index_put_((sl, off), v[idx].to(dev, rows.dtype))
-        stage.pending[layer].update(b for b, (_, hi) in span.items() if hi == last and b in stage.held)
+        if layer == self.num_layers - 1:
+            stage.pending.update(b for b, (_, hi) in span.items() if hi == last and b in stage.held)
 
-    def _flush(self, store: dict, stage: Stage, layer: int, blocks: list[int]) -> None:
-        """Quantize full staged blocks into the store at one layer (all their tokens known now);
-        the last layer gives their slots back."""
+    def _flush(self, store: dict, stage: Stage, blocks: list[int]) -> None:
+        """Quantize full staged blocks into the store, every layer (all their tokens are known),
+        and give their slots back."""
         dev = stage.rows.device
-        x = stage.rows[torch.tensor([stage.held[b] for b in blocks], device=dev), layer]  # [F, 2, BS, ...]
+        rows = stage.rows[torch.tensor([stage.held[b] for b in blocks], device=dev)]  # [F, L, 2, BS, ...]
         ids = torch.tensor(blocks, device=stage.slot_of.device)
         fb = ids.repeat_interleave(self.block_size)
         fo = torch.arange(self.block_size, device=ids.device).repeat(len(blocks))
         shape = (-1, self.num_kv_heads, self.head_dim)
-        self._write(store, layer, fb, fo, x[:, 0].reshape(shape), x[:, 1].reshape(shape))
-        stage.slot_of[ids, layer] = -1
-        stage.pending[layer].difference_update(blocks)
-        if layer == self.num_layers - 1:
-            stage.release(blocks)
+        for layer in range(self.num_layers):
+            x = rows[:, layer]
+            self._write(store, layer, fb, fo, x[:, 0].reshape(shape), x[:, 1].reshape(shape))
+        stage.release_rows(blocks)
 
     def _stage_existing(self, store: dict, stage: Stage, block: int) -> None:
         ids = torch.tensor([block], device=stage.slot_of.device)
@@ -204,7 +213,7 @@ class KVFormat:
         k, v = self._read(store, layer, block_ids)
         stage = store.get("stage")
         if stage is not None and stage.held:
-            slot = stage.slot_of[:, layer].index_select(0, block_ids)
+            slot = stage.slot_of.index_select(0, block_ids)
             hit = (slot >= 0).nonzero()[:, 0]
             if hit.numel():
                 x = stage.rows[slot[hit], layer].to(k.dtype)  # [h, 2, BS, KVH, HD]
@@ -252,8 +261,7 @@ class KVFormat:
         if slot is not None:
             stage.rows[slot] = data["stage"].to(stage.rows.device, stage.rows.dtype)
             if fill == self.block_size:  # full: quantized at the next write, as before it left
-                for p in stage.pending:
-                    p.add(block)
+                stage.pending.add(block)
             return
         dev = next(iter(store.values())).device
         blocks, offsets = torch.full((fill,), block, device=dev), torch.arange(fill, device=dev)
