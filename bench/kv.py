@@ -9,8 +9,9 @@ Method
   greedily (64 new tokens, EOS ignored) in one batch; per prompt, the length of the prefix
   that agrees with fp32, averaged.
 - Formats are built as the Generator builds them: fp8 key scales and q3 codebooks fitted
-  first (kvgen.engine.kv.calibrate), and fp8 / q4 / q3 keep each sequence's newest block exact
-  (KIVI's residual, formats.py); "no recent block" rows turn that off to measure what it buys.
+  first (kvgen.engine.kv.calibrate), and fp8 / q4 / q3 keep each sequence's newest block
+  and first token exact (KIVI's residual, the attention sink; formats.py); "nothing kept exact" rows
+  turn that off to measure what it buys.
   Chunks of half a block make every query see its own block exact and the blocks before it
   quantized, as a decode step does.
 
@@ -175,7 +176,7 @@ def run(model, tokenizer, tokens: int | None = None, new_tokens: int = NEW_TOKEN
         agree = agreement(cont, ref[1])
         extra = fmt.stage_bytes() // max(fmt.recent_slots, 1)  # one exact block per sequence
         rows.append({
-            "name": fmt.name + ("" if recent or name not in QUANTIZED else " (no recent block)"),
+            "name": fmt.name + ("" if recent or name not in QUANTIZED else " (nothing kept exact)"),
             "base": name, "variant": not recent, "ppl": ppl, "rel": ppl / ref[0] - 1,
             "agree": sum(agree) / len(agree), "agree_each": agree,
             "bytes_tok_layer": fmt.bytes_per_token_per_layer(),
@@ -203,7 +204,7 @@ def diagnose(model, tokenizer, tokens: int) -> dict:
 
 
 def verdict(rows: list[dict]) -> list[str]:
-    """Per quantized format: what keeping the newest block exact buys."""
+    """Per quantized format: what keeping the newest block and the first token exact buys."""
     by = {(r["base"], r["variant"]): r for r in rows}
     lines = []
     for name in QUANTIZED:
@@ -230,11 +231,12 @@ def markdown(res: dict, seconds: float) -> str:
         f"through {BLOCK}-token blocks; attention reads every key and value back from the format's store "
         f"(fp8 key channel scales and q3 codebooks calibrated first, as the Generator does; q4 / q3 keys "
         f"are per channel per block). Chunks of {CHUNK} tokens: each query sees its own block as a decode "
-        f"step does (exact in fp8 / q4 / q3, which keep each sequence's newest block exact), older blocks "
-        f"quantized. "
+        f"step does (exact in fp8 / q4 / q3, which keep each sequence's newest block and first token "
+        f"exact), older blocks quantized. "
         f"Greedy: {res['prompts']} prompts, {res['new_tokens']} new tokens, mean length of the prefix "
         f"equal to fp32's. Memory: whole blocks, scales included; sequences of 2,048 tokens in 256 MB, "
-        f"each with its exact newest block ({res['stage_block'] / 1024:.0f} KiB in fp32) where the format keeps one.",
+        f"each with its exact newest block and first token ({res['stage_block'] / 1024:.0f} KiB in fp32) where "
+        f"the format keeps them.",
         "",
         "| format | bytes/token/layer | 2,048-token seqs in 256 MB | perplexity | vs fp32 | bound | "
         "within | greedy prefix (of 64) |",
@@ -251,11 +253,12 @@ def markdown(res: dict, seconds: float) -> str:
         "",
         "Per-prompt greedy prefixes: " + "; ".join(f"{r['name']} {r['agree_each']}" for r in res["rows"]),
         "",
-        "## Keeping each sequence's newest block exact (KIVI's residual)",
+        "## Keeping each sequence's newest block (KIVI's residual) and first token (the attention sink) exact",
         "",
         "A block is quantized once its sequence has moved on to the next one, so its key scales see "
-        "all its tokens and the nearest tokens are never rounded. Without it (rows \"no recent "
-        "block\") every write goes straight to the quantized store.",
+        "all its tokens and the nearest tokens are never rounded; the first token, which most heads "
+        "attend to, stays exact. Without them (rows \"nothing kept exact\") every write goes "
+        "straight to the quantized store.",
         "",
         *verdict(res["rows"]),
         "",
