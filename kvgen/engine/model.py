@@ -64,6 +64,7 @@ class Linear:
             return torch.mm(x, self.wt) if self.b is None else torch.addmm(self.b, x, self.wt)
         if x.shape[0] > SMALL_M:
             return F.linear(x, self.dequantized(), self.b)
+        x = x.contiguous()  # the packed kernels take dense rows only (RMSNorm's rows are strided)
         if self.dtype == "int8":
             y = torch.ops.aten._weight_int8pack_mm(x, self.w, self.scale)
         else:
