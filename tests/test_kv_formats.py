@@ -279,14 +279,14 @@ def test_recent_block_is_exact_until_its_sequence_moves_on(name):
     x = rows_like(torch.Generator().manual_seed(3), bs + 1, kvh, hd)
     _write_rows(fmt, store, 1, range(5), x[:5])
     stage = store["stage"]
-    assert list(stage.held) == [1]
+    assert list(stage.recent.held) == [1]
     for layer in range(L):
         K, V = fmt.read(store, layer, torch.tensor([1]))
         assert torch.equal(K[0, :5], x[:5] * (layer + 1)) and torch.equal(V[0, :5], -x[:5])
     _write_rows(fmt, store, 1, range(5, bs), x[5:bs])  # full: still exact until a write goes elsewhere
     assert torch.equal(fmt.read(store, 0, torch.tensor([1]))[0][0], x[:bs])
     _write_rows(fmt, store, 2, [0], x[bs:])  # the sequence moves on: block 1 is quantized whole
-    assert list(stage.held) == [2] and len(stage.free) == 1
+    assert list(stage.recent.held) == [2] and len(stage.recent.free) == 1
     _write_rows(direct, ref, 1, range(bs), x[:bs])  # what quantizing all 8 rows at once stores
     for n in ref:
         assert torch.equal(store[n][1].view(torch.uint8), ref[n][1].view(torch.uint8)), n
@@ -305,16 +305,16 @@ def test_recent_slots_come_back_with_freed_blocks_and_run_out_gracefully():
     x = rows_like(torch.Generator().manual_seed(0), 2, kvh, hd)
     _write_rows(fmt, store, a, [0, 1], x)
     _write_rows(fmt, store, b, [0, 1], x)  # no slot left: straight to the quantized store
-    assert list(store["stage"].held) == [a]
+    assert list(store["stage"].recent.held) == [a]
     ka, kb = fmt.read(store, 0, torch.tensor([a]))[0][0, :2], fmt.read(store, 0, torch.tensor([b]))[0][0, :2]
     assert torch.equal(ka, x) and not torch.equal(kb, x)
     assert ((kb - x).abs() <= x.abs().amax(0) / 14 * (1 + 2**-10) + 1e-6).all()
     pool.free([a])
-    assert store["stage"].held == {} and store["stage"].free == [0]
-    assert (store["stage"].slot_of == -1).all()
+    assert store["stage"].recent.held == {} and store["stage"].recent.free == [0]
+    assert (store["stage"].recent.of == -1).all()
     (c,) = pool.alloc(1)
     _write_rows(fmt, store, c, [0], x[:1])
-    assert list(store["stage"].held) == [c]
+    assert list(store["stage"].recent.held) == [c]
 
 
 @pytest.mark.parametrize("name", ["fp8", "q4"])
@@ -326,10 +326,10 @@ def test_a_block_cut_by_truncate_is_staged_again_with_its_rows(name):
     store = fmt.allocate(2)
     x = rows_like(torch.Generator().manual_seed(1), bs + 1, kvh, hd)
     _write_rows(fmt, store, 0, range(bs), x[:bs])  # written whole: quantized at once
-    assert not store["stage"].held
+    assert not store["stage"].recent.held
     before = [fmt.read(store, layer, torch.tensor([0])) for layer in range(L)]
     _write_rows(fmt, store, 0, [3], x[bs:])  # truncated to 3 rows, then one more token
-    assert list(store["stage"].held) == [0]
+    assert list(store["stage"].recent.held) == [0]
     for layer in range(L):
         K, V = fmt.read(store, layer, torch.tensor([0]))
         assert torch.equal(K[0, :3], before[layer][0][0, :3]) and torch.equal(V[0, :3], before[layer][1][0, :3])
@@ -347,15 +347,15 @@ def test_take_and_put_block_carry_the_exact_rows():
     assert "stage" in data and not data["stage"][:, :, 2:].any()
     fmt.release(store, [0])
     fmt.put_block(store, 2, data, fill=2)  # a slot is free again: exact
-    assert list(store["stage"].held) == [2]
+    assert list(store["stage"].recent.held) == [2]
     for layer in range(L):
         for a, b in zip(before[layer], fmt.read(store, layer, torch.tensor([2])), strict=True):
             assert torch.equal(a[0, :2], b[0, :2])
     _write_rows(fmt, store, 1, [0], x[:1])  # slot taken by another block...
     fmt.release(store, [2])
-    store["stage"].acquire(1)
+    store["stage"].recent.acquire(1)
     fmt.put_block(store, 0, data, fill=2)  # ...so the rows are quantized into the block
-    assert 0 not in store["stage"].held
+    assert 0 not in store["stage"].recent.held
     K, _ = fmt.read(store, 0, torch.tensor([0]))
     assert ((K[0, :2] - x).abs() <= x.abs().amax(0) / 14 * (1 + 2**-10) + 1e-6).all()
 
@@ -375,7 +375,7 @@ def test_first_token_of_a_sequence_stays_exact(name):
     assert not torch.equal(K[0, 1:], x[1:])
     data = fmt.take_block(store, 0, fill=bs)
     fmt.release(store, [0])
-    assert not store["stage"].sink_held
+    assert not store["stage"].first.held
     assert not torch.equal(fmt.read(store, 1, torch.tensor([0]))[0][0, 0], x[0])
     fmt.put_block(store, 2, data, fill=bs)
     K2, _ = fmt.read(store, 1, torch.tensor([2]))
@@ -386,6 +386,6 @@ def test_first_token_of_a_sequence_stays_exact(name):
         for layer in range(L):
             fmt.write(store, layer, torch.tensor([pos // bs]), torch.tensor([pos % bs]), x[pos % bs:pos % bs + 1],
                       -x[pos % bs:pos % bs + 1], torch.tensor([pos]))
-    assert list(store["stage"].held) == [1] and list(store["stage"].sink_held) == [0]
+    assert list(store["stage"].recent.held) == [1] and list(store["stage"].first.held) == [0]
     K, _ = fmt.read(store, 1, torch.tensor([0]))
     assert torch.equal(K[0, 0], x[0]) and not torch.equal(K[0, 1:], x[1:])

@@ -40,7 +40,7 @@ def test_lossless_round_trip_is_bit_exact(name, recent):
     cache = filled_cache(pool, 10)  # 3 blocks, the last one half full (kept exact with recent slots)
     staged = L * 2 * BS * KVH * HD * 4 if recent else 0  # the exact rows travel with the block
     if recent:
-        assert list(pool.store["stage"].held) == [cache.blocks[2]]
+        assert list(pool.store["stage"].recent.held) == [cache.blocks[2]]
     before = snapshot(cache)
     with TieredKV(pool) as tiers:
         free0 = pool.available

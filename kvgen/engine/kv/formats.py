@@ -48,38 +48,14 @@ import torch
 from kvgen.engine.kv import quant
 
 
-class Stage:
-    """Exact K/V rows of each sequence's newest block: rows [slots, L, 2, BS, KVH, HD] in the
-    compute dtype; slot_of [num_blocks] (-1: read the block from the quantized store); pending:
-    full blocks to quantize (every layer) at the next forward pass that writes elsewhere.
+class _Slots:
+    """A side tensor's slots lent to blocks: held (block -> slot, asked without a device sync)
+    and `of` [num_blocks] (the same on the device, -1 for none)."""
 
-    And each sequence's first token (position 0), for good: sink [sink slots, L, 2, KVH, HD],
-    sink_of [num_blocks]. Most heads put much of their attention on it (the attention sink), so
-    its rounding error reaches every query: on SmolLM2, q3 loses 18% perplexity over 1,024
-    tokens with it quantized and 7% with it exact (KVQuant keeps it in fp16 too).
-    """
-
-    def __init__(self, fmt: KVFormat, slots: int, num_blocks: int, device):
-        self.rows = torch.zeros(slots, fmt.num_layers, 2, fmt.block_size, fmt.num_kv_heads, fmt.head_dim,
-                                dtype=fmt.compute_dtype, device=device)
-        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
-        self.held: dict[int, int] = {}  # block -> slot (no device sync to ask)
-        self.free = list(range(slots))
-        self.pending: set[int] = set()
-        self.sink = torch.zeros(4 * slots, fmt.num_layers, 2, fmt.num_kv_heads, fmt.head_dim,
-                                dtype=fmt.compute_dtype, device=device)
-        self.sink_of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
-        self.sink_held: dict[int, int] = {}
-        self.sink_free = list(range(4 * slots))
-
-    def acquire_sink(self, block: int) -> int | None:
-        if block in self.sink_held:
-            return self.sink_held[block]
-        if not self.sink_free:
-            return None
-        slot = self.sink_held[block] = self.sink_free.pop()
-        self.sink_of[block] = slot
-        return slot
+    def __init__(self, n: int, num_blocks: int, device):
+        self.of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
+        self.held: dict[int, int] = {}
+        self.free = list(range(n))
 
     def acquire(self, block: int) -> int | None:
         if block in self.held:
@@ -87,26 +63,47 @@ class Stage:
         if not self.free:
             return None
         slot = self.held[block] = self.free.pop()
-        self.slot_of[block] = slot
+        self.of[block] = slot
         return slot
 
     def release(self, blocks) -> None:
-        """The blocks are freed: their slots (rows and first token) are free again."""
         for b in blocks:
-            slot = self.sink_held.pop(b, None)
+            slot = self.held.pop(b, None)
             if slot is not None:
-                self.sink_of[b] = -1
-                self.sink_free.append(slot)
+                self.of[b] = -1
+                self.free.append(slot)
+
+
+class Stage:
+    """Exact K/V of each sequence's newest block: rows [slots, L, 2, BS, KVH, HD] in the compute
+    dtype, lent by `recent`; pending: full blocks to quantize (every layer) at the next forward
+    pass that writes elsewhere.
+
+    And each sequence's first token (position 0), for as long as its block lives: sink [4 *
+    slots, L, 2, KVH, HD], lent by `first`. Most heads put much of their attention on it (the
+    attention sink), so its rounding error reaches every query: on SmolLM2, q3 loses 18%
+    perplexity over 1,024 tokens with it quantized and 7% with it exact (KVQuant keeps it in
+    fp16 too).
+    """
+
+    def __init__(self, fmt: KVFormat, slots: int, num_blocks: int, device):
+        shape = (fmt.num_layers, 2, fmt.num_kv_heads, fmt.head_dim)
+        self.rows = torch.zeros(slots, fmt.num_layers, 2, fmt.block_size, *shape[2:], dtype=fmt.compute_dtype,
+                                device=device)
+        self.recent = _Slots(slots, num_blocks, device)
+        self.pending: set[int] = set()
+        self.sink = torch.zeros(4 * slots, *shape, dtype=fmt.compute_dtype, device=device)
+        self.first = _Slots(4 * slots, num_blocks, device)
+
+    def release(self, blocks) -> None:
+        """The blocks are freed: their slots (rows and first token) are free again."""
+        self.first.release(blocks)
         self.release_rows(blocks)
 
     def release_rows(self, blocks) -> None:
         """The blocks are quantized: their row slots are free again (a first token stays)."""
-        for b in blocks:
-            slot = self.held.pop(b, None)
-            if slot is not None:
-                self.slot_of[b] = -1
-                self.free.append(slot)
-                self.pending.discard(b)
+        self.recent.release(blocks)
+        self.pending.difference_update(blocks)
 
 
 class KVFormat:
@@ -150,7 +147,7 @@ class KVFormat:
             return self._write(store, layer, blocks, offsets, k, v)
         if positions is not None and int(positions.min()) == 0:
             for i in (positions == 0).nonzero()[:, 0].tolist():
-                slot = stage.acquire_sink(int(blocks[i]))
+                slot = stage.first.acquire(int(blocks[i]))
                 if slot is not None:
                     stage.sink[slot, layer, 0], stage.sink[slot, layer, 1] = k[i], v[i]
         bl, of = blocks.tolist(), offsets.tolist()
@@ -166,11 +163,11 @@ class KVFormat:
             if done:
                 self._flush(store, stage, done)
             for b, (lo, hi) in span.items():
-                if b in stage.held or (lo == 0 and hi == last):  # a block written whole is old at once
+                if b in stage.recent.held or (lo == 0 and hi == last):  # a block written whole is old at once
                     continue
-                if stage.acquire(b) is not None and lo > 0:
+                if stage.recent.acquire(b) is not None and lo > 0:
                     self._stage_existing(store, stage, b)  # e.g. a block cut by truncate
-        slots = [stage.held.get(b, -1) for b in bl]
+        slots = [stage.recent.held.get(b, -1) for b in bl]
         staged = [i for i, sl in enumerate(slots) if sl >= 0]
         if len(staged) < len(bl):
             rest = torch.tensor([i for i, sl in enumerate(slots) if sl < 0], device=k.device)
@@ -185,14 +182,14 @@ class KVFormat:
         rows[:, 0].index_put_((sl, off), k[idx].to(dev, rows.dtype))
         rows[:, 1].index_put_((sl, off), v[idx].to(dev, rows.dtype))
         if layer == self.num_layers - 1:
-            stage.pending.update(b for b, (_, hi) in span.items() if hi == last and b in stage.held)
+            stage.pending.update(b for b, (_, hi) in span.items() if hi == last and b in stage.recent.held)
 
     def _flush(self, store: dict, stage: Stage, blocks: list[int]) -> None:
         """Quantize full staged blocks into the store, every layer (all their tokens are known),
         and give their slots back."""
         dev = stage.rows.device
-        rows = stage.rows[torch.tensor([stage.held[b] for b in blocks], device=dev)]  # [F, L, 2, BS, ...]
-        ids = torch.tensor(blocks, device=stage.slot_of.device)
+        rows = stage.rows[torch.tensor([stage.recent.held[b] for b in blocks], device=dev)]  # [F, L, 2, BS, ...]
+        ids = torch.tensor(blocks, device=stage.recent.of.device)
         fb = ids.repeat_interleave(self.block_size)
         fo = torch.arange(self.block_size, device=ids.device).repeat(len(blocks))
         shape = (-1, self.num_kv_heads, self.head_dim)
@@ -202,8 +199,8 @@ class KVFormat:
         stage.release_rows(blocks)
 
     def _stage_existing(self, store: dict, stage: Stage, block: int) -> None:
-        ids = torch.tensor([block], device=stage.slot_of.device)
-        slot = stage.held[block]
+        ids = torch.tensor([block], device=stage.recent.of.device)
+        slot = stage.recent.held[block]
         for layer in range(self.num_layers):
             k, v = self._read(store, layer, ids)
             stage.rows[slot, layer, 0], stage.rows[slot, layer, 1] = k[0], v[0]
@@ -212,14 +209,14 @@ class KVFormat:
         """K and V of the given blocks for one layer: [M, block_size, kv_heads, head_dim] each."""
         k, v = self._read(store, layer, block_ids)
         stage = store.get("stage")
-        if stage is not None and stage.held:
-            slot = stage.slot_of.index_select(0, block_ids)
+        if stage is not None and stage.recent.held:
+            slot = stage.recent.of.index_select(0, block_ids)
             hit = (slot >= 0).nonzero()[:, 0]
             if hit.numel():
                 x = stage.rows[slot[hit], layer].to(k.dtype)  # [h, 2, BS, KVH, HD]
                 k, v = k.index_copy(0, hit, x[:, 0]), v.index_copy(0, hit, x[:, 1])
-        if stage is not None and stage.sink_held:
-            slot = stage.sink_of.index_select(0, block_ids)
+        if stage is not None and stage.first.held:
+            slot = stage.first.of.index_select(0, block_ids)
             hit = (slot >= 0).nonzero()[:, 0]
             if hit.numel():
                 x = stage.sink[slot[hit], layer].to(k.dtype)  # [h, 2, KVH, HD]
@@ -238,12 +235,12 @@ class KVFormat:
         block's stage rows past `fill` are zeroed."""
         out = {name: t[block].clone() for name, t in store.items() if name != "stage"}
         stage = store.get("stage")
-        if stage is not None and block in stage.held:
-            rows = stage.rows[stage.held[block]].clone()
+        if stage is not None and block in stage.recent.held:
+            rows = stage.rows[stage.recent.held[block]].clone()
             rows[:, :, fill:] = 0
             out["stage"] = rows
-        if stage is not None and block in stage.sink_held:
-            out["sink"] = stage.sink[stage.sink_held[block]].clone()
+        if stage is not None and block in stage.first.held:
+            out["sink"] = stage.sink[stage.first.held[block]].clone()
         return out
 
     def put_block(self, store: dict, block: int, data: dict[str, torch.Tensor], fill: int) -> None:
@@ -253,11 +250,11 @@ class KVFormat:
             if name not in ("stage", "sink"):
                 store[name][block] = t.to(store[name].device)
         stage = store.get("stage")
-        if "sink" in data and stage is not None and stage.acquire_sink(block) is not None:
-            stage.sink[stage.sink_held[block]] = data["sink"].to(stage.sink.device, stage.sink.dtype)
+        if "sink" in data and stage is not None and stage.first.acquire(block) is not None:
+            stage.sink[stage.first.held[block]] = data["sink"].to(stage.sink.device, stage.sink.dtype)
         if "stage" not in data:
             return
-        slot = stage.acquire(block) if stage is not None else None
+        slot = stage.recent.acquire(block) if stage is not None else None
         if slot is not None:
             stage.rows[slot] = data["stage"].to(stage.rows.device, stage.rows.dtype)
             if fill == self.block_size:  # full: quantized at the next write, as before it left
