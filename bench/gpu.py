@@ -11,7 +11,7 @@ scaled_dot_product_attention on the same K/V gathered into dense fp16 [B, KVH, c
 Timing: CUDA events around `iters` back-to-back calls after `warmup` calls; the median of
 `repeats` such runs. The engine's decode tokens/s section is added by the lead later.
 
-    .venv/bin/python bench/gpu.py [--formats fp16,fp8] [--batches 1,4,16,64]
+    .venv/bin/python bench/gpu.py [--formats fp16,fp8,q4] [--batches 1,4,16,64]
         [--contexts 512,4096,32768] [--check] [--out PATH]
 """
 
@@ -66,6 +66,10 @@ def _fill_random(fmt, store: dict[str, torch.Tensor]) -> None:
         codes |= torch.randint(0, 2, store["kv"].shape, dtype=torch.uint8, device="cuda") << 7
         store["kv"].view(torch.uint8).copy_(codes)
         store["scale"].uniform_(0.001, 0.01)
+    elif fmt.name == "q4":
+        store["q"].random_(0, 256)
+        store["vscale"].uniform_(0.05, 0.5)
+        store["kscale"].uniform_(0.05, 0.5)
     else:
         raise ValueError(fmt.name)
 
@@ -146,7 +150,7 @@ def render(rows: list[dict], device: str, copy_bw: float, args) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--formats", default="fp16,fp8")
+    p.add_argument("--formats", default="fp16,fp8,q4")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
     p.add_argument("--heads", type=int, default=32)

@@ -150,7 +150,7 @@ def test_graphs_on_and_off_give_identical_logits(tiny):
     assert torch.equal(out[0], out[1])
 
 
-@pytest.mark.parametrize("kv", ("fp32", "bf16", "fp8"))
+@pytest.mark.parametrize("kv", ("fp32", "bf16", "fp8", "q4"))
 def test_decode_step_with_emulated_kernels_matches_forward(tiny, emulated, kv):
     """kvgen.gpu.ops' own launch code and the CUDA C kernels (host-emulated) inside the step."""
     tol = 1e-4 if kv == "fp32" else 1e-3  # same K/V math on both sides: only summation order differs

@@ -148,7 +148,7 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 @pytest.mark.parametrize("graphs", (True, False))
-@pytest.mark.parametrize("kv", ("fp32", "fp16", "bf16", "fp8"))
+@pytest.mark.parametrize("kv", ("fp32", "fp16", "bf16", "fp8", "q4"))
 def test_decode_step_matches_forward(tiny_cuda, kv, graphs):
     from kvgen.gpu import ops
 
@@ -235,7 +235,7 @@ def test_greedy_matches_cpu(embedded, cuda_model, oracle_ids, cpu_greedy, kv):
                             f"top-2 gap is {gap:.4f}: not a near-tie. {embedded[1].decode(ids)!r}")
 
 
-@pytest.mark.parametrize("kv", ("fp8",))
+@pytest.mark.parametrize("kv", ("fp8", "q4"))
 def test_quantized_kv_mostly_agrees_with_cpu(embedded, cuda_model, oracle_ids, cpu_greedy, kv):
     """fp8 / q4 amplify last-bit differences (a value on a rounding edge takes the other code,
     fp8 block scales follow), and free-running greedy paths part for good at the first flip:

@@ -179,7 +179,7 @@ def _store(fmt_name, layers=2, block_size=16, kvh=2, hd=64, blocks=6):
     return fmt, fmt.allocate(blocks)
 
 
-FORMATS = ("fp32", "fp16", "bf16", "fp8")
+FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -203,7 +203,7 @@ def test_launch_args_match_kernel_params(ptx_entries, launches):
     ops.increment(lens, torch.ones(b, dtype=torch.bool))
 
     names = {fn for _, fn, *_ in launches}
-    assert len(names) == 12 + 1 + 24 + 3  # every append, increment, split and reduce entry
+    assert len(names) == 15 + 1 + 30 + 3  # every append, increment, split and reduce entry
     ptx_kind = {np.int32: ("u32", "s32"), np.float32: ("f32",)}
     for mod, fn, grid, block, args in launches:
         params = ptx_entries.get(f"{mod}:{fn}")
@@ -229,7 +229,7 @@ def test_flash_decode_grid(launches):
     (_, split_fn, split_grid, _, split_args), (_, red_fn, red_grid, _, red_args) = launches
     assert split_fn == "flash_decode_split_fp16_f16_hd128" and split_grid == (3, 2 * 2, 5)
     assert red_fn == "flash_decode_reduce_f16" and red_grid == (24, 5)
-    assert split_args[5].shape == (5, 24, 3, 64) and split_args[6].shape == (5, 24, 3, 2)
+    assert split_args[6].shape == (5, 24, 3, 64) and split_args[7].shape == (5, 24, 3, 2)
     assert math.isclose(float(split_args[-1]), math.log2(math.e) / 8, rel_tol=1e-6)
 
 
@@ -808,13 +808,14 @@ typedef void (*incr_fn)(int*, const u8*, int, int, int);
 extern "C" {
 void emu_append(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, KVG_APPEND_PARAMS) {
   emu_launch(gx, gy, gz, threads, [&] {
-    ((append_fn)f)(k, v, cache, cache_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH, HD);
+    ((append_fn)f)(k, v, cache, cache_scale, key_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH,
+                   HD, group);
   });
 }
 void emu_split(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, KVG_SPLIT_PARAMS) {
   emu_launch(gx, gy, gz, threads, [&] {
-    ((split_fn)f)(q, cache, cache_scale, block_tables, context_lens, part_acc, part_ml, max_blocks,
-                  len_offset, H, KVH, HD, L, layer, BS, num_splits, qk_scale);
+    ((split_fn)f)(q, cache, cache_scale, key_scale, block_tables, context_lens, part_acc, part_ml, max_blocks,
+                  len_offset, H, KVH, HD, L, layer, BS, group, num_splits, qk_scale);
   });
 }
 void emu_reduce(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, const float* part_acc,
@@ -936,8 +937,9 @@ def test_emulated_kv_append_matches_format_write(emulated, name):
             kv_append_reference(fmt, ref, layer, k, v, tables, seq_lens)
         _assert_same_store(got, ref)
         assert seq_lens.tolist() == pos
-        if name == "fp8":  # the requantising path ran: a part-filled block's scale grew
-            grown = got["scale"] > store["scale"]
+        if name in ("fp8", "q4"):  # the re-encoding path ran: a part-filled block's scale grew
+            key = "scale" if name == "fp8" else "kscale"
+            grown = got[key].float() > store[key].float()
             assert any(grown[tables[b, p // bs]].any() for b, p in enumerate(pos[:6]) if p % bs), "no growth"
     # every row padding: nothing at all changes
     got = {n: t.clone() for n, t in store.items()}

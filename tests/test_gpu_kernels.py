@@ -24,7 +24,7 @@ def _ready() -> bool:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ready(), reason="needs a CUDA device, CuPy and Numba")]
 
-FORMATS = ("fp32", "fp16", "bf16", "fp8")
+FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEV = "cuda"
 
@@ -273,7 +273,7 @@ def test_pack_into_store_slices():
 # ---- CUDA graphs -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ("fp16", "fp8"))
+@pytest.mark.parametrize("name", ("fp16", "fp8", "q4"))
 def test_graph_replay_equals_eager(name):
     from kvgen.gpu import ops
     from kvgen.gpu.graphs import GraphRunner

@@ -35,7 +35,7 @@ import torch
 
 KERNEL_DIR = pathlib.Path(__file__).parent / "kernels"
 KERNEL_FILES = ("kv_append", "flash_decode")
-FORMATS = ("fp32", "fp16", "bf16", "fp8")  # q4 (per-channel keys since KIVI) runs the torch reference
+FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
 MAX_HEAD_DIM = 256
 APPEND_THREADS = 128  # kv_append.cu KVG_APPEND_THREADS
 DECODE_THREADS = 128  # flash_decode.cu KVG_FD_THREADS
@@ -117,14 +117,22 @@ def _format_name(fmt) -> str:
 
 
 def _cache_tensors(name: str, store: dict[str, torch.Tensor], head_dim: int):
-    """(values tensor, scale tensor or None) of a store."""
-    cache, scale = store["kv"], store.get("scale") if name == "fp8" else None
-    if cache.shape[-1] != head_dim:
-        raise ValueError(f"store head_dim {cache.shape[-1]} != {head_dim}")
-    for t in (cache, scale):
+    """(codes / values tensor, scale tensor or None, q4 key scales or None, q4 value group size)
+    of a store."""
+    if name == "q4":
+        cache, scale, key_scale = store["q"], store["vscale"], store["kscale"]
+        if cache.shape[-1] * 2 != head_dim or head_dim % scale.shape[-1] or key_scale.shape[-1] != head_dim:
+            raise ValueError(f"q4 store shapes {tuple(cache.shape)}, {tuple(scale.shape)}, "
+                             f"{tuple(key_scale.shape)} do not fit head_dim {head_dim}")
+        group = head_dim // scale.shape[-1]
+    else:
+        cache, scale, key_scale, group = store["kv"], store.get("scale") if name == "fp8" else None, None, 1
+        if cache.shape[-1] != head_dim:
+            raise ValueError(f"store head_dim {cache.shape[-1]} != {head_dim}")
+    for t in (cache, scale, key_scale):
         if t is not None and not t.is_contiguous():
             raise ValueError("the KV store tensors must be contiguous")
-    return cache, scale
+    return cache, scale, key_scale, group
 
 
 def _check_int32(name: str, t: torch.Tensor, ndim: int, batch: int) -> None:
@@ -142,8 +150,8 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     position seq_lens[b] (the tokens already cached) of its sequence: block
     block_tables[b, pos // block_size], offset pos % block_size, both looked up on the GPU.
     Rows with seq_lens[b] < 0, a position past the table or a -1 table entry write nothing.
-    fp8 quantises on the way in (it grows the block's scale and requantises the block's other
-    rows when needed), byte for byte as the torch format does. seq_lens is not changed: call
+    fp8 and q4 quantise on the way in (fp8 grows the block's scale and requantises the block's
+    other rows when needed), byte for byte as the torch formats do. seq_lens is not changed: call
     increment() once per step after the last layer."""
     name = _format_name(fmt)
     if k.shape != v.shape or k.dim() != 3 or k.dtype != v.dtype or k.dtype not in _DTYPE_NAME:
@@ -154,7 +162,7 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     _check_int32("seq_lens", seq_lens, 1, b)
     if hd > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {hd} > {MAX_HEAD_DIM}")
-    cache, scale = _cache_tensors(name, store, hd)
+    cache, scale, key_scale, group = _cache_tensors(name, store, hd)
     _, n_layers, _, block_size, cache_kvh, _ = cache.shape
     if cache_kvh != kvh or not 0 <= layer < n_layers:
         raise ValueError(f"kv_heads {kvh} / layer {layer} do not fit the store {tuple(cache.shape)}")
@@ -162,9 +170,10 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
         return
     dev = _device_index(k)
     k, v = k.contiguous(), v.contiguous()
-    args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache), _cp(block_tables),
+    args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache),
+            _cp(key_scale if key_scale is not None else cache), _cp(block_tables),
             _cp(seq_lens), np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
-            np.int32(block_size), np.int32(kvh), np.int32(hd))
+            np.int32(block_size), np.int32(kvh), np.int32(hd), np.int32(group))
     fn = f"kv_append_{name}_{_DTYPE_NAME[k.dtype]}"
     _launch("kv_append", fn, dev, (b, kvh, 2), (APPEND_THREADS,), args)
 
@@ -252,7 +261,7 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
     _check_int32("context_lens", context_lens, 1, b)
     if hd > MAX_HEAD_DIM:
         raise ValueError(f"head_dim {hd} > {MAX_HEAD_DIM}")
-    cache, scale = _cache_tensors(name, store, hd)
+    cache, scale, key_scale, group = _cache_tensors(name, store, hd)
     _, n_layers, _, block_size, kvh, _ = cache.shape
     if h % kvh or not 0 <= layer < n_layers:
         raise ValueError(f"{h} query heads / layer {layer} do not fit the store {tuple(cache.shape)}")
@@ -277,10 +286,11 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
     part_ml = torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=q.device)
     hd_name = "hd128" if hd <= 128 else "hd256"
     split_args = (
-        _cp(q), _cp(cache), _cp(scale if scale is not None else cache), _cp(block_tables),
+        _cp(q), _cp(cache), _cp(scale if scale is not None else cache),
+        _cp(key_scale if key_scale is not None else cache), _cp(block_tables),
         _cp(context_lens), _cp(part_acc), _cp(part_ml), np.int32(max_blocks), np.int32(len_offset),
         np.int32(h), np.int32(kvh), np.int32(hd), np.int32(n_layers), np.int32(layer),
-        np.int32(block_size), np.int32(num_splits),
+        np.int32(block_size), np.int32(group), np.int32(num_splits),
         np.float32(sm_scale * math.log2(math.e)))
     _launch("flash_decode", f"flash_decode_split_{name}_{_DTYPE_NAME[q.dtype]}_{hd_name}", dev,
             (num_splits, kvh * chunks, b), (DECODE_THREADS,), split_args)

@@ -28,6 +28,7 @@
 #define KVG_FMT_F16 1
 #define KVG_FMT_BF16 2
 #define KVG_FMT_FP8 3
+#define KVG_FMT_Q4 4
 
 #define KVG_FP8_MAX 448.0f
 // -inf without <cmath>'s INFINITY (NVRTC has no such macro without headers).

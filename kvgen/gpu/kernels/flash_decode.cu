@@ -11,7 +11,8 @@
 //     head, so every K/V row is read from memory once for all of them (GQA). Within the
 //     thread block each warp takes every 4th token; a lane owns ceil(HD/32) consecutive dims
 //     of q, k, v and of the accumulator, and scores are summed across the warp with shuffles.
-//     K and V are dequantised in registers (fp8: e4m3 * block scale). The 4 warps' states are merged in shared memory and the split writes its
+//     K and V are dequantised in registers (fp8: e4m3 * block scale; q4: (code-8) * value
+//     group scale or key channel scale). The 4 warps' states are merged in shared memory and the split writes its
 //     unnormalised accumulator plus (running max m, sum of exp l) to float32 scratch.
 //  2. flash_decode_reduce_*: grid (H, B): merges the splits with log-sum-exp rescaling,
 //     out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s.
@@ -27,13 +28,14 @@
 
 struct DecodeArgs {
   const void* q;            // [B, H, HD] in dtype QT
-  const void* cache;        // kv
-  const void* cache_scale;  // fp8: f32 [NB, L, 2, KVH]
+  const void* cache;        // kv (plain, fp8) or q (q4)
+  const void* cache_scale;  // fp8: f32 [NB, L, 2, KVH]; q4: f16 values [NB, L, BS, KVH, HD/G]
+  const void* key_scale;    // q4: f16 keys [NB, L, KVH, HD]
   const int* block_tables;  // [B, max_blocks]
   const int* context_lens;  // [B]
   float* part_acc;          // [B, H, S, HD] unnormalised partial outputs
   float* part_ml;           // [B, H, S, 2] (running max m, sum of exp l), base 2
-  int max_blocks, len_offset, H, KVH, HD, L, layer, BS, num_splits;
+  int max_blocks, len_offset, H, KVH, HD, L, layer, BS, group, num_splits;
   float qk_scale;           // sm_scale * log2(e)
 };
 
@@ -51,11 +53,28 @@ __device__ __forceinline__ void kvg_fd_load(const DecodeArgs& a, i64 blk, int kv
 #pragma unroll
     for (int i = 0; i < DPL; ++i)
       x[i] = (i < dpl && d0 + i < a.HD) ? kvg_load<FMT>(a.cache, base + i) : 0.0f;  // FMT == dtype id
-  } else {  // fp8
+  } else if (FMT == KVG_FMT_FP8) {
     const u8* c = (const u8*)a.cache + kvg_fd_row(a, blk, kv, off, kvh, a.HD) + d0;
     const float s = ((const float*)a.cache_scale)[((blk * a.L + a.layer) * 2 + kv) * a.KVH + kvh];
 #pragma unroll
     for (int i = 0; i < DPL; ++i) x[i] = (i < dpl && d0 + i < a.HD) ? kvg_e4m3_to_f32(c[i]) * s : 0.0f;
+  } else {  // q4
+    const u8* c = (const u8*)a.cache + kvg_fd_row(a, blk, kv, off, kvh, a.HD / 2);
+    // values: a scale per token and group of `group` dims; keys: one per channel of the block
+    const int per = kv ? a.group : 1;
+    const u16* sc = kv ? (const u16*)a.cache_scale + (((blk * a.L + a.layer) * a.BS + off) * a.KVH + kvh) * (i64)(a.HD / a.group)
+                       : (const u16*)a.key_scale + ((blk * a.L + a.layer) * a.KVH + kvh) * (i64)a.HD;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      const int d = d0 + i;
+      if (i < dpl && d < a.HD) {
+        const u32 byte = c[d >> 1];
+        const int code = (int)((d & 1) ? (byte >> 4) : (byte & 15u));
+        x[i] = (float)(code - 8) * kvg_f16_to_f32(sc[d / per]);
+      } else {
+        x[i] = 0.0f;
+      }
+    }
   }
 }
 
@@ -181,13 +200,14 @@ __device__ void kvg_decode_reduce(const float* part_acc, const float* part_ml, v
 // ---- entry points ---------------------------------------------------------------------
 // flash_decode_split_<cache format>_<q dtype>_hd<32 * DPL>, flash_decode_reduce_<out dtype>.
 #define KVG_SPLIT_PARAMS                                                                        \
-  const void *q, const void *cache, const void *cache_scale, const int *block_tables,            \
-      const int *context_lens, float *part_acc, float *part_ml, int max_blocks, int len_offset, \
-      int H, int KVH, int HD, int L, int layer, int BS, int num_splits, float qk_scale
+  const void *q, const void *cache, const void *cache_scale, const void *key_scale,              \
+      const int *block_tables, const int *context_lens, float *part_acc, float *part_ml,        \
+      int max_blocks, int len_offset,                                                           \
+      int H, int KVH, int HD, int L, int layer, int BS, int group, int num_splits, float qk_scale
 #define KVG_SPLIT_ARGS                                                                          \
   DecodeArgs {                                                                                  \
-    q, cache, cache_scale, block_tables, context_lens, part_acc, part_ml, max_blocks, len_offset, \
-        H, KVH, HD, L, layer, BS, num_splits, qk_scale                                          \
+    q, cache, cache_scale, key_scale, block_tables, context_lens, part_acc, part_ml, max_blocks,  \
+        len_offset, H, KVH, HD, L, layer, BS, group, num_splits, qk_scale                       \
   }
 
 #define KVG_DEFINE_SPLIT(NAME, FMT, QT, DPL)                                                  \
@@ -204,7 +224,8 @@ __device__ void kvg_decode_reduce(const float* part_acc, const float* part_ml, v
   KVG_DEFINE_SPLIT_Q(fp32, KVG_FMT_F32, DPL, HDNAME)          \
   KVG_DEFINE_SPLIT_Q(fp16, KVG_FMT_F16, DPL, HDNAME)          \
   KVG_DEFINE_SPLIT_Q(bf16, KVG_FMT_BF16, DPL, HDNAME)         \
-  KVG_DEFINE_SPLIT_Q(fp8, KVG_FMT_FP8, DPL, HDNAME)
+  KVG_DEFINE_SPLIT_Q(fp8, KVG_FMT_FP8, DPL, HDNAME)           \
+  KVG_DEFINE_SPLIT_Q(q4, KVG_FMT_Q4, DPL, HDNAME)
 
 KVG_DEFINE_SPLIT_ALL(4, hd128)
 KVG_DEFINE_SPLIT_ALL(8, hd256)

@@ -11,8 +11,9 @@
 //   plain: kv    [NB, L, 2, BS, KVH, HD]        f32 / f16 / bf16
 //   fp8:   kv    [NB, L, 2, BS, KVH, HD]        e4m3fn bits
 //          scale [NB, L, 2, KVH]                f32, one per block, layer, k|v, kv head
-// (q4 keeps its keys per channel over a block since the KIVI change; these kernels do not
-// cover it yet, and q4 on CUDA runs the torch reference.)
+//   q4:    q      [NB, L, 2, BS, KVH, HD / 2]  two 4-bit codes per byte
+//          vscale [NB, L, BS, KVH, HD / G]     f16 bits: values, one per token and group
+//          kscale [NB, L, KVH, HD]             f16 bits: keys, one per channel over the block
 //
 // Grid (B, KVH, 2): one thread block per batch row, kv head and k|v, 128 threads.
 // Requires head_dim <= 256 (checked by ops.py).
@@ -24,11 +25,12 @@
 struct AppendArgs {
   const void* k;           // [B, KVH, HD], input dtype
   const void* v;           // [B, KVH, HD]
-  void* cache;             // kv
-  void* cache_scale;       // fp8: f32 scales; plain: unused
+  void* cache;             // kv (plain, fp8) or q (q4)
+  void* cache_scale;       // fp8: f32 scales; q4: f16 value scales; plain: unused
+  void* key_scale;         // q4: f16 key scales; others: unused
   const int* block_tables; // [B, max_blocks]
   const int* seq_lens;     // [B] tokens already cached = position of the new token
-  int max_blocks, L, layer, BS, KVH, HD;
+  int max_blocks, L, layer, BS, KVH, HD, group;
 };
 
 // Where row b's new token goes; false for padding rows.
@@ -108,12 +110,89 @@ __device__ void kvg_append_fp8(const AppendArgs& a) {
   if (threadIdx.x == 0) *scale_p = new_scale;
 }
 
+// ---- q4 values: per token and group of G dims, scale = f16(absmax / 7) -------------------
+// Phase 1: one thread per group computes and stores the scale (kept in shared memory).
+// Phase 2: one thread per output byte packs elements 2i (low nibble) and 2i+1 (high).
+template <int IT>
+__device__ void kvg_append_q4_values(const AppendArgs& a, int b, int kvh, i64 blk, int off) {
+  __shared__ float s_scale[KVG_MAX_HEAD_DIM];
+  const void* src = a.v;
+  const i64 in = ((i64)b * a.KVH + kvh) * a.HD;
+  const int G = a.group, ngroups = a.HD / G;
+
+  u16* scales = (u16*)a.cache_scale + (((blk * a.L + a.layer) * a.BS + off) * a.KVH + kvh) * (i64)ngroups;
+  for (int g = threadIdx.x; g < ngroups; g += blockDim.x) {
+    float amax = 0.0f;
+    for (int j = 0; j < G; ++j) amax = fmaxf(amax, fabsf(kvg_load<IT>(src, in + g * G + j)));
+    const u16 h = kvg_f32_to_f16(amax / 7.0f);
+    scales[g] = h;
+    s_scale[g] = kvg_f16_to_f32(h);  // quantise with the rounded (stored) scale
+  }
+  __syncthreads();
+
+  u8* codes = (u8*)a.cache + kvg_row(a, blk, 1, off, kvh, a.HD / 2);
+  for (int i = threadIdx.x; i < a.HD / 2; i += blockDim.x) {
+    const int d0 = 2 * i, d1 = 2 * i + 1;
+    const u32 lo = kvg_q4_code(kvg_load<IT>(src, in + d0), s_scale[d0 / G]);
+    const u32 hi = kvg_q4_code(kvg_load<IT>(src, in + d1), s_scale[d1 / G]);
+    codes[i] = (u8)(lo | (hi << 4));
+  }
+}
+
+// ---- q4 keys: per channel over the block, scale grown on write -----------------------------
+// Per channel d: new = max(old, f16(|x_d| / 7)), old taken as 0 at offset 0. One thread per
+// byte (channels 2i, 2i+1): if either scale grew, the block's other rows of that byte are
+// re-encoded (decode with old, encode with new; an identity where a scale did not change).
+// Same float32 operations as formats._GroupFormat._write (bit-exact).
+template <int IT>
+__device__ void kvg_append_q4_keys(const AppendArgs& a, int b, int kvh, i64 blk, int off) {
+  const i64 in = ((i64)b * a.KVH + kvh) * a.HD;
+  u16* ks = (u16*)a.key_scale + ((blk * a.L + a.layer) * a.KVH + kvh) * (i64)a.HD;
+  u8* codes = (u8*)a.cache;
+  const i64 row0 = kvg_row(a, blk, 0, 0, kvh, a.HD / 2);
+  const i64 row_stride = (i64)a.KVH * (a.HD / 2);
+  for (int i = threadIdx.x; i < a.HD / 2; i += blockDim.x) {
+    const int d0 = 2 * i, d1 = 2 * i + 1;
+    const float x0 = kvg_load<IT>(a.k, in + d0), x1 = kvg_load<IT>(a.k, in + d1);
+    const float old0 = off == 0 ? 0.0f : kvg_f16_to_f32(ks[d0]);
+    const float old1 = off == 0 ? 0.0f : kvg_f16_to_f32(ks[d1]);
+    const float new0 = fmaxf(old0, kvg_f16_to_f32(kvg_f32_to_f16(fabsf(x0) / 7.0f)));
+    const float new1 = fmaxf(old1, kvg_f16_to_f32(kvg_f32_to_f16(fabsf(x1) / 7.0f)));
+    if (off > 0 && (new0 > old0 || new1 > old1)) {
+      for (int r = 0; r < a.BS; ++r) {
+        if (r == off) continue;  // written below
+        u8* p = codes + row0 + (i64)r * row_stride + i;
+        const u32 byte = *p;
+        const float y0 = (float)((int)(byte & 15u) - 8) * old0;
+        const float y1 = (float)((int)(byte >> 4) - 8) * old1;
+        *p = (u8)(kvg_q4_code(y0, new0) | (kvg_q4_code(y1, new1) << 4));
+      }
+    }
+    codes[kvg_row(a, blk, 0, off, kvh, a.HD / 2) + i] = (u8)(kvg_q4_code(x0, new0) | (kvg_q4_code(x1, new1) << 4));
+    ks[d0] = kvg_f32_to_f16(new0);  // this thread's channels only: no race
+    ks[d1] = kvg_f32_to_f16(new1);
+  }
+}
+
+template <int IT>
+__device__ void kvg_append_q4(const AppendArgs& a) {
+  const int b = blockIdx.x, kvh = blockIdx.y, kv = blockIdx.z;
+  i64 blk;
+  int off;
+  if (!kvg_slot(a, b, &blk, &off)) return;
+  if (kv)
+    kvg_append_q4_values<IT>(a, b, kvh, blk, off);
+  else
+    kvg_append_q4_keys<IT>(a, b, kvh, blk, off);
+}
+
 // ---- entry points: kv_append_<cache format>_<input dtype> ---------------------------------
 #define KVG_APPEND_PARAMS                                                                   \
-  const void *k, const void *v, void *cache, void *cache_scale, const int *block_tables,     \
-      const int *seq_lens, int max_blocks, int L, int layer, int BS, int KVH, int HD
+  const void *k, const void *v, void *cache, void *cache_scale, void *key_scale,             \
+      const int *block_tables, const int *seq_lens, int max_blocks, int L, int layer, int BS, \
+      int KVH, int HD, int group
 #define KVG_APPEND_ARGS \
-  AppendArgs { k, v, cache, cache_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH, HD }
+  AppendArgs { k, v, cache, cache_scale, key_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH, HD, group }
 
 #define KVG_DEFINE_APPEND(NAME, BODY)                                                       \
   extern "C" __global__ void __launch_bounds__(KVG_APPEND_THREADS) NAME(KVG_APPEND_PARAMS) { \
@@ -132,6 +211,9 @@ KVG_DEFINE_APPEND(kv_append_bf16_bf16, (kvg_append_plain<KVG_BF16, KVG_BF16>))
 KVG_DEFINE_APPEND(kv_append_fp8_f32, kvg_append_fp8<KVG_F32>)
 KVG_DEFINE_APPEND(kv_append_fp8_f16, kvg_append_fp8<KVG_F16>)
 KVG_DEFINE_APPEND(kv_append_fp8_bf16, kvg_append_fp8<KVG_BF16>)
+KVG_DEFINE_APPEND(kv_append_q4_f32, kvg_append_q4<KVG_F32>)
+KVG_DEFINE_APPEND(kv_append_q4_f16, kvg_append_q4<KVG_F16>)
+KVG_DEFINE_APPEND(kv_append_q4_bf16, kvg_append_q4<KVG_BF16>)
 
 // seq_lens[b] += n for every row with seq_lens[b] >= 0 and (if has_valid) valid[b] != 0.
 // Run once per decode step after the last layer's append. Grid ceil(B / 128), 128 threads.
