@@ -74,15 +74,19 @@ def test_sigterm_drains_in_flight_streams():
     try:
         client = Client(target)
         got: dict = {}
+        running = threading.Event()
 
         def long_stream():
-            msgs = list(client.stream("Once upon a time", max_new_tokens=60, ignore_eos=True, temperature=0.0))
+            msgs = []
+            for m in client.stream("Once upon a time", max_new_tokens=60, ignore_eos=True, temperature=0.0):
+                msgs.append(m)
+                running.set()
             got["tokens"] = sum(len(m.token_ids) for m in msgs)
             got["reason"] = msgs[-1].finish_reason
 
         t = threading.Thread(target=long_stream)
         t.start()
-        time.sleep(1.5)  # the stream is running
+        assert running.wait(60)  # the stream is running (its first tokens arrived)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         with pytest.raises(grpc.RpcError) as e:  # a call after SIGTERM is refused
