@@ -29,16 +29,8 @@ q3   q      [NB, L, 2, BS, KVH, HD*3//8] uint8; vscale / kscale as q4 with scale
      and codes the nearest of 8 centroids; codebook [L, 2, 8] float32 lives on the format
      object, not in the store.
 
-Recent block exact (KIVI's full-precision residual): quantized formats given `recent_slots`
-keep each sequence's newest block exact in a stage (`Stage`, store["stage"]) and quantize it
-once it is full and a later write goes elsewhere (its sequence moved on), so a block's key
-scales come from all of its tokens and the tokens every query attends to most (its own
-block's) are never rounded. A slot is taken by a write to layer 0 that leaves a block
-part-filled, and given back when a later forward pass quantizes the block or the pool frees it; a
-block written whole in one go (a long prompt's inner blocks) is quantized at once; with no
-slot free, writes go straight to the quantized store. The stage also
-keeps each sequence's first token exact for as long as its block lives (the attention sink;
-writes say which rows are position 0).
+Recent blocks and first tokens exact: quantized formats given `recent_slots` keep each
+sequence's newest block and first token exact in a stage (stage.py, store["stage"]).
 """
 
 from __future__ import annotations
@@ -46,64 +38,7 @@ from __future__ import annotations
 import torch
 
 from kvgen.engine.kv import quant
-
-
-class _Slots:
-    """A side tensor's slots lent to blocks: held (block -> slot, asked without a device sync)
-    and `of` [num_blocks] (the same on the device, -1 for none)."""
-
-    def __init__(self, n: int, num_blocks: int, device):
-        self.of = torch.full((num_blocks,), -1, dtype=torch.long, device=device)
-        self.held: dict[int, int] = {}
-        self.free = list(range(n))
-
-    def acquire(self, block: int) -> int | None:
-        if block in self.held:
-            return self.held[block]
-        if not self.free:
-            return None
-        slot = self.held[block] = self.free.pop()
-        self.of[block] = slot
-        return slot
-
-    def release(self, blocks) -> None:
-        for b in blocks:
-            slot = self.held.pop(b, None)
-            if slot is not None:
-                self.of[b] = -1
-                self.free.append(slot)
-
-
-class Stage:
-    """Exact K/V of each sequence's newest block: rows [slots, L, 2, BS, KVH, HD] in the compute
-    dtype, lent by `recent`; pending: full blocks to quantize (every layer) at the next forward
-    pass that writes elsewhere.
-
-    And each sequence's first token (position 0), for as long as its block lives: sink [4 *
-    slots, L, 2, KVH, HD], lent by `first`. Most heads put much of their attention on it (the
-    attention sink), so its rounding error reaches every query: on SmolLM2, q3 loses 18%
-    perplexity over 1,024 tokens with it quantized and 7% with it exact (KVQuant keeps it in
-    fp16 too).
-    """
-
-    def __init__(self, fmt: KVFormat, slots: int, num_blocks: int, device):
-        shape = (fmt.num_layers, 2, fmt.num_kv_heads, fmt.head_dim)
-        self.rows = torch.zeros(slots, fmt.num_layers, 2, fmt.block_size, *shape[2:], dtype=fmt.compute_dtype,
-                                device=device)
-        self.recent = _Slots(slots, num_blocks, device)
-        self.pending: set[int] = set()
-        self.sink = torch.zeros(4 * slots, *shape, dtype=fmt.compute_dtype, device=device)
-        self.first = _Slots(4 * slots, num_blocks, device)
-
-    def release(self, blocks) -> None:
-        """The blocks are freed: their slots (rows and first token) are free again."""
-        self.first.release(blocks)
-        self.release_rows(blocks)
-
-    def release_rows(self, blocks) -> None:
-        """The blocks are quantized: their row slots are free again (a first token stays)."""
-        self.recent.release(blocks)
-        self.pending.difference_update(blocks)
+from kvgen.engine.kv.stage import Stage
 
 
 class KVFormat:
@@ -144,85 +79,15 @@ class KVFormat:
         positions [N] (optional) says which row is a sequence's first token (kept exact)."""
         stage = store.get("stage")
         if stage is None:
-            return self._write(store, layer, blocks, offsets, k, v)
-        if positions is not None and int(positions.min()) == 0:
-            for i in (positions == 0).nonzero()[:, 0].tolist():
-                slot = stage.first.acquire(int(blocks[i]))
-                if slot is not None:
-                    stage.sink[slot, layer, 0], stage.sink[slot, layer, 1] = k[i], v[i]
-        bl, of = blocks.tolist(), offsets.tolist()
-        span: dict[int, list[int]] = {}  # block -> [first offset, last offset] written
-        for b, o in zip(bl, of, strict=True):
-            lo_hi = span.setdefault(b, [o, o])
-            lo_hi[0], lo_hi[1] = min(lo_hi[0], o), max(lo_hi[1], o)
-        last = self.block_size - 1
-        if layer == 0:  # a forward pass starts: slots are given back and taken for all layers
-            # A full block stays exact until a write goes elsewhere (its sequence's next block):
-            # the query that filled it, like every other, saw its own block exact.
-            done = [b for b in stage.pending if b not in span]
-            if done:
-                self._flush(store, stage, done)
-            for b, (lo, hi) in span.items():
-                if b in stage.recent.held or (lo == 0 and hi == last):  # a block written whole is old at once
-                    continue
-                if stage.recent.acquire(b) is not None and lo > 0:
-                    self._stage_existing(store, stage, b)  # e.g. a block cut by truncate
-        slots = [stage.recent.held.get(b, -1) for b in bl]
-        staged = [i for i, sl in enumerate(slots) if sl >= 0]
-        if len(staged) < len(bl):
-            rest = torch.tensor([i for i, sl in enumerate(slots) if sl < 0], device=k.device)
-            self._write(store, layer, blocks[rest], offsets[rest], k[rest], v[rest])
-        if not staged:
-            return
-        dev = stage.rows.device
-        idx = torch.tensor(staged, device=k.device)
-        sl = torch.tensor([slots[i] for i in staged], device=dev)
-        off = torch.tensor([of[i] for i in staged], device=dev)
-        rows = stage.rows[:, layer]  # [S, 2, BS, KVH, HD]
-        rows[:, 0].index_put_((sl, off), k[idx].to(dev, rows.dtype))
-        rows[:, 1].index_put_((sl, off), v[idx].to(dev, rows.dtype))
-        if layer == self.num_layers - 1:
-            stage.pending.update(b for b, (_, hi) in span.items() if hi == last and b in stage.recent.held)
-
-    def _flush(self, store: dict, stage: Stage, blocks: list[int]) -> None:
-        """Quantize full staged blocks into the store, every layer (all their tokens are known),
-        and give their slots back."""
-        dev = stage.rows.device
-        rows = stage.rows[torch.tensor([stage.recent.held[b] for b in blocks], device=dev)]  # [F, L, 2, BS, ...]
-        ids = torch.tensor(blocks, device=stage.recent.of.device)
-        fb = ids.repeat_interleave(self.block_size)
-        fo = torch.arange(self.block_size, device=ids.device).repeat(len(blocks))
-        shape = (-1, self.num_kv_heads, self.head_dim)
-        for layer in range(self.num_layers):
-            x = rows[:, layer]
-            self._write(store, layer, fb, fo, x[:, 0].reshape(shape), x[:, 1].reshape(shape))
-        stage.release_rows(blocks)
-
-    def _stage_existing(self, store: dict, stage: Stage, block: int) -> None:
-        ids = torch.tensor([block], device=stage.recent.of.device)
-        slot = stage.recent.held[block]
-        for layer in range(self.num_layers):
-            k, v = self._read(store, layer, ids)
-            stage.rows[slot, layer, 0], stage.rows[slot, layer, 1] = k[0], v[0]
+            self._write(store, layer, blocks, offsets, k, v)
+        else:
+            stage.write(store, layer, blocks, offsets, k, v, positions)
 
     def read(self, store: dict, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks for one layer: [M, block_size, kv_heads, head_dim] each."""
         k, v = self._read(store, layer, block_ids)
         stage = store.get("stage")
-        if stage is not None and stage.recent.held:
-            slot = stage.recent.of.index_select(0, block_ids)
-            hit = (slot >= 0).nonzero()[:, 0]
-            if hit.numel():
-                x = stage.rows[slot[hit], layer].to(k.dtype)  # [h, 2, BS, KVH, HD]
-                k, v = k.index_copy(0, hit, x[:, 0]), v.index_copy(0, hit, x[:, 1])
-        if stage is not None and stage.first.held:
-            slot = stage.first.of.index_select(0, block_ids)
-            hit = (slot >= 0).nonzero()[:, 0]
-            if hit.numel():
-                x = stage.sink[slot[hit], layer].to(k.dtype)  # [h, 2, KVH, HD]
-                k, v = k.clone(), v.clone()
-                k[hit, 0], v[hit, 0] = x[:, 0], x[:, 1]
-        return k, v
+        return (k, v) if stage is None else stage.read(layer, block_ids, k, v)
 
     def release(self, store: dict, blocks: list[int]) -> None:
         """The pool freed these blocks: their stage slots are free again."""
@@ -231,40 +96,21 @@ class KVFormat:
             stage.release(blocks)
 
     def take_block(self, store: dict, block: int, fill: int) -> dict[str, torch.Tensor]:
-        """Everything the store holds for one block (copies), for tiers to park elsewhere; the
-        block's stage rows past `fill` are zeroed."""
+        """Everything the store holds for one block (copies), for tiers to park elsewhere."""
         out = {name: t[block].clone() for name, t in store.items() if name != "stage"}
         stage = store.get("stage")
-        if stage is not None and block in stage.recent.held:
-            rows = stage.rows[stage.recent.held[block]].clone()
-            rows[:, :, fill:] = 0
-            out["stage"] = rows
-        if stage is not None and block in stage.first.held:
-            out["sink"] = stage.sink[stage.first.held[block]].clone()
+        if stage is not None:
+            out.update(stage.take(block, fill))
         return out
 
     def put_block(self, store: dict, block: int, data: dict[str, torch.Tensor], fill: int) -> None:
-        """Inverse of take_block into a freshly allocated block (with no stage slot free, staged
-        rows are quantized into the block)."""
+        """Inverse of take_block into a freshly allocated block."""
         for name, t in data.items():
-            if name not in ("stage", "sink"):
+            if name in store and name != "stage":
                 store[name][block] = t.to(store[name].device)
         stage = store.get("stage")
-        if "sink" in data and stage is not None and stage.first.acquire(block) is not None:
-            stage.sink[stage.first.held[block]] = data["sink"].to(stage.sink.device, stage.sink.dtype)
-        if "stage" not in data:
-            return
-        slot = stage.recent.acquire(block) if stage is not None else None
-        if slot is not None:
-            stage.rows[slot] = data["stage"].to(stage.rows.device, stage.rows.dtype)
-            if fill == self.block_size:  # full: quantized at the next write, as before it left
-                stage.pending.add(block)
-            return
-        dev = next(iter(store.values())).device
-        blocks, offsets = torch.full((fill,), block, device=dev), torch.arange(fill, device=dev)
-        for layer in range(self.num_layers):
-            x = data["stage"][layer, :, :fill].to(dev)
-            self._write(store, layer, blocks, offsets, x[0], x[1])
+        if stage is not None:
+            stage.put(store, block, data, fill)
 
     def _allocate(self, num_blocks: int, device) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -281,8 +127,7 @@ class KVFormat:
 
     def stage_bytes(self) -> int:
         """Memory of the stage (recent blocks and first tokens, outside the blocks)."""
-        return self.recent_slots * self.num_layers * 2 * (self.block_size + 4) * self.num_kv_heads \
-            * self.head_dim * torch.empty(0, dtype=self.compute_dtype).element_size()
+        return Stage.nbytes(self, self.recent_slots)
 
     def bytes_per_token_per_layer(self) -> float:
         return self.bytes_per_block() / (self.block_size * self.num_layers)
