@@ -10,7 +10,7 @@ Method
   that agrees with fp32, averaged.
 - Formats are built as the Generator builds them: fp8 key scales and q3 codebooks fitted
   first (kvgen.engine.kv.calibrate), and fp8 / q4 / q3 keep each sequence's newest block
-  and first token exact (KIVI's residual, the attention sink; formats.py); "nothing kept exact" rows
+  and first token exact (KIVI's residual, the attention sink; kv/stage.py); "nothing kept exact" rows
   turn that off to measure what it buys.
   Chunks of half a block make every query see its own block exact and the blocks before it
   quantized, as a decode step does.
@@ -41,7 +41,7 @@ from kvgen.engine.kv.calibrate import calibrate_format  # noqa: E402
 from kvgen.engine.kv.formats import KV_DTYPES, KVFormat, make_format  # noqa: E402
 
 BLOCK = 16
-CHUNK = 8  # half a block: each query sees its own block as decode does (formats.py: recent block)
+CHUNK = 8  # half a block: each query sees its own block as decode does (kv/stage.py)
 NEW_TOKENS = 64
 # Relative perplexity increase over fp32 that issue 4 accepts per format.
 BOUNDS = {"fp32": 0.0, "fp16": 0.001, "bf16": 0.001, "fp8": 0.01, "q4": 0.05, "q3": 0.10}

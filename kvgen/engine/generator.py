@@ -91,7 +91,7 @@ class EngineOptions:
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:
     cfg = model.cfg
-    # Quantized formats keep each running sequence's filling block exact (formats.py); the GPU
+    # Quantized formats keep each running sequence's newest block exact (kv/stage.py); the GPU
     # kernels of a format read only its quantized store, so where they run it is off.
     # One slot per running sequence, within a quarter of the KV budget.
     quantized = opts.kv_dtype in ("fp8", "q4", "q3")
