@@ -127,3 +127,25 @@ def test_usage_in_every_response(server, stub):
                      > value(before, "kvgen_cached_prompt_tokens_total"))
     assert value(after, "kvgen_cached_prompt_tokens_total") - value(before, "kvgen_cached_prompt_tokens_total") \
         == last.cached_tokens
+
+
+def test_exact_block_slots_of_a_quantized_kv_format(make_gen):
+    from prometheus_client import generate_latest
+
+    from kvgen.engine.sampling import SamplingParams
+    from kvgen.service.metrics import Metrics
+
+    gen = make_gen(kv_dtype="q4", kv_cache_mb=64, max_running=4)
+    m = Metrics(gen)
+
+    def gauges():
+        page = generate_latest(m.registry).decode()
+        return {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples
+                if s.name.startswith("kvgen_kv_exact")}
+
+    assert gauges() == {"kvgen_kv_exact_blocks_used": 0, "kvgen_kv_exact_blocks_total": 4}
+    session = gen.new_session()
+    session.generate("The capital of France is", SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+    assert gauges()["kvgen_kv_exact_blocks_used"] == 1  # the idle session's part-filled block
+    session.close()
+    assert gauges()["kvgen_kv_exact_blocks_used"] == 0

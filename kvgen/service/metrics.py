@@ -74,6 +74,11 @@ class Metrics:
         Gauge("kvgen_requests_waiting", "Requests waiting for admission",
               registry=r).set_function(lambda: len(sched.waiting))
         Gauge("kvgen_sessions_open", "Open sessions", registry=r).set_function(lambda: len(gen.sessions))
+        stage = pool.store.get("stage")  # quantized KV formats: newest blocks held exact (kv/stage.py)
+        Gauge("kvgen_kv_exact_blocks_used", "Newest blocks of sequences held exact (quantized KV formats)",
+              registry=r).set_function(lambda: len(stage.recent.held) if stage else 0)
+        Gauge("kvgen_kv_exact_blocks_total", "Slots for exact newest blocks (0: plain KV format)",
+              registry=r).set_function(lambda: len(stage.recent.held) + len(stage.recent.free) if stage else 0)
         self._sched = sched
         self._model = {h: h.labels(gen.cfg.name) for h in (self.ttft, self.tpot, self.duration)}
 
