@@ -99,18 +99,7 @@ def q4_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def q4_dequantize(packed: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
-    q = _groups(q4_unpack(packed).float() - 8, group)
-    return (q * scales.float().unsqueeze(-1)).flatten(-2)
-
-
-def q3_indices(x: torch.Tensor, codebook: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unpacked q3: centroid indices (int64, shape of x) and float16 scales."""
-    xg = _groups(x.float(), group)
-    scale = xg.abs().amax(-1).to(torch.float16)
-    y = _safe_div(xg, scale.float().unsqueeze(-1))
-    # argmin returns the first minimum, which is the tie rule of the spec.
-    idx = (y.unsqueeze(-1) - codebook.float()).abs().argmin(-1)
-    return idx.reshape(x.shape), scale
+    return q4_decode(packed, scales.float().repeat_interleave(group, -1))
 
 
 def q3_pack(idx: torch.Tensor) -> torch.Tensor:
@@ -134,6 +123,7 @@ def q3_unpack(packed: torch.Tensor) -> torch.Tensor:
 def q3_encode(x: torch.Tensor, s: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
     """Packed q3 codes of x with float32 scales s (broadcastable to x)."""
     y = _safe_div(x.float(), s.float())
+    # argmin returns the first minimum, which is the tie rule of the spec.
     return q3_pack((y.unsqueeze(-1) - codebook.float()).abs().argmin(-1))
 
 
@@ -142,14 +132,13 @@ def q3_decode(packed: torch.Tensor, s: torch.Tensor, codebook: torch.Tensor) -> 
 
 
 def q3_quantize(x: torch.Tensor, codebook: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    idx, scale = q3_indices(x, codebook, group)
-    return q3_pack(idx), scale
+    scale = _groups(x.float(), group).abs().amax(-1).to(torch.float16)
+    return q3_encode(x, scale.float().repeat_interleave(group, -1), codebook), scale
 
 
 def q3_dequantize(packed: torch.Tensor, scales: torch.Tensor, codebook: torch.Tensor,
                   group: int) -> torch.Tensor:
-    vals = _groups(codebook.float()[q3_unpack(packed)], group)
-    return (vals * scales.float().unsqueeze(-1)).flatten(-2)
+    return q3_decode(packed, scales.float().repeat_interleave(group, -1), codebook)
 
 
 def normal_codebook() -> torch.Tensor:
