@@ -238,7 +238,7 @@ class Model:
             x = layer.ln1(h)
             qkv = layer.qkv(x).view(T, -1, cfg.head_dim)
             qk = apply_rope(qkv[:, :nq + nkv], rot)  # q and k heads rotate in one go
-            if fmt.qk_scale is not None:  # quantized keys: channels equalised (formats.py)
+            if fmt.qk_scale is not None:  # fp8 keys: channels equalised (formats.KVFormat)
                 qk = qk * fmt.qk_scale[i]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
             fmt.write(store, i, step.write_blocks, step.write_offsets, k, v, step.positions)

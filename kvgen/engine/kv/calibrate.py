@@ -101,10 +101,12 @@ def calibrate_format(model, fmt: KVFormat, tokenizer=None, ids: list[int] | None
     group = model.cfg.num_heads // model.cfg.num_kv_heads
     scales = []
     for layer, (k, v) in enumerate(kv):
-        s = key_scales(k) if fmt.equalize_keys else torch.ones(k.shape[1:])
-        scales.append(torch.cat([s.repeat_interleave(group, 0), 1 / s]))  # q heads get s, k heads 1/s
+        if fmt.equalize_keys:
+            s = key_scales(k)
+            scales.append(torch.cat([s.repeat_interleave(group, 0), 1 / s]))  # q heads get s, k heads 1/s
+            k = k / s  # keys as the cache will hold them
         if codebooks:
-            fmt.calibrate(layer, 0, k / s, **FIT_OPTS)  # keys as the cache will hold them
+            fmt.calibrate(layer, 0, k, **FIT_OPTS)
             fmt.calibrate(layer, 1, v, **FIT_OPTS)
     if fmt.equalize_keys:
         fmt.qk_scale = torch.stack(scales).to(device=model.device, dtype=model.act_dtype)
