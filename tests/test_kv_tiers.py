@@ -11,7 +11,8 @@ import torch
 from kvgen.engine.attention import Step
 from kvgen.engine.kv.formats import KV_DTYPES, make_format
 from kvgen.engine.kv.paged import PagedKVCache
-from kvgen.engine.kv.pool import BlockPool, PoolExhausted
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.errors import PoolExhausted
 from kvgen.engine.kv.tiers import HOLE, AccessPolicy, Tier, TieredKV
 
 L, BS, KVH, HD = 2, 4, 2, 16

@@ -39,6 +39,7 @@ class Engine:
         self._stop = False
         self._calls: list = []
         self.steps = 0
+        self._progress_at = time.monotonic()  # the loop's last sign of life (see stalled_s)
         self.on_step = None  # fn(batch, seconds): metrics and tracing hook
         self.on_submit = None  # fn(seq), caller's thread, before the engine sees seq: tracing
         self.on_release = None  # fn(seq), engine thread, once seq's KV is let go: metrics, tracing
@@ -99,6 +100,14 @@ class Engine:
             raise box["error"]
         return box.get("value")
 
+    def stalled_s(self) -> float:
+        """Seconds the engine thread has gone without finishing a loop iteration while work is
+        pending (0 when idle or moving): what a liveness probe and the watchdog read. Safe from
+        any thread (two attribute reads)."""
+        if self.idle and not self._cancelled and not self._calls:
+            return 0.0
+        return max(0.0, time.monotonic() - self._progress_at)
+
     @property
     def idle(self) -> bool:
         return not self.scheduler.running and not self.scheduler.waiting
@@ -112,6 +121,7 @@ class Engine:
             with self._cv:
                 while not (self._stop or self._cancelled or self._calls or not self.idle):
                     self._cv.wait()
+                    self._progress_at = time.monotonic()  # woken: idle time is not a stall
                 if self._stop:
                     return
                 calls, self._calls = self._calls, []
@@ -127,6 +137,7 @@ class Engine:
                         self.scheduler.drop(seq)
                 for seq in seqs:
                     self._retire(seq, FinishReason.ABORTED, error=e)
+            self._progress_at = time.monotonic()
 
     def _drop_cancelled(self) -> None:
         with self._cv:

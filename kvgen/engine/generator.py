@@ -18,9 +18,11 @@ from kvgen.engine.engine import Engine
 from kvgen.engine.kv.calibrate import calibrate_format
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
-from kvgen.engine.kv.pool import BlockPool, PoolExhausted
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.errors import InvalidRequest, PoolExhausted
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.model import Model
+from kvgen.engine.options import EngineOptions
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Event, FinishReason, Sequence, Usage
@@ -42,14 +44,6 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
     return Model(cfg, weights, weight_dtype, device), tokenizer
 
 
-class InvalidRequest(ValueError):
-    """violations: (field, description) pairs, reported as a google.rpc.BadRequest."""
-
-    def __init__(self, violations: list[tuple[str, str]]):
-        super().__init__("; ".join(f"{f}: {d}" for f, d in violations))
-        self.violations = violations
-
-
 @dataclass
 class Result:
     text: str = ""
@@ -68,25 +62,6 @@ class Result:
         if ev.finish_reason is not None:
             self.finish_reason, self.matched_stop = ev.finish_reason, ev.matched_stop
             self.usage, self.timings = ev.usage, ev.timings
-
-
-@dataclass(slots=True)
-class EngineOptions:
-    weight_dtype: str = "fp32"
-    kv_dtype: str = "auto"  # plain storage in the activations' dtype (fp32 weights: fp32; others: bf16)
-    kv_cache_mb: float = 512.0
-    block_size: int = 16
-    token_budget: int = 512
-    max_running: int = 64
-    max_waiting: int = 256
-    session_ttl_s: float = 600
-    kv_warm_mb: float = 256.0  # host memory for idle sessions' blocks pushed out of the pool; beyond it, disk
-    kv_cold_dir: str = ""  # where cold blocks go (empty: a temp dir, removed on close)
-    threads: int = 0  # 0 = every core
-    attention_window: int = 0  # sliding-window attention (0: the model's own, if any)
-    attention_chunk: int = 0  # chunked attention: each query sees only its own chunk
-    device: str = "cpu"  # where load() puts the model and the KV pool: "cpu" or "cuda[:i]"
-    cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs (False: the same step, eagerly)
 
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:

@@ -10,16 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from kvgen.engine.kv.pool import PoolExhausted
+from kvgen.errors import Overloaded, PoolExhausted
 from kvgen.engine.sequence import Sequence
-
-
-class Overloaded(RuntimeError):
-    """The waiting queue is full; the caller should retry after `retry_after` seconds."""
-
-    def __init__(self, msg: str, retry_after: float = 1.0):
-        super().__init__(msg)
-        self.retry_after = retry_after
 
 
 class Scheduler:

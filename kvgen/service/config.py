@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields
 
-from kvgen.engine.generator import EngineOptions
+from kvgen.engine.options import EngineOptions
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvgen.engine.generator import InvalidRequest, Result
+from kvgen.engine.generator import Result
+from kvgen.errors import InvalidRequest
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.sequence import Event
 from kvgen.engine.tokenizer import TextTokenizer

@@ -6,16 +6,7 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from kvgen.engine.generator import InvalidRequest
-from kvgen.engine.scheduler import Overloaded
-
-
-class NotFound(LookupError):
-    pass
-
-
-class Unavailable(RuntimeError):
-    pass
+from kvgen.errors import InvalidRequest, NotFound, Overloaded, Unavailable
 
 
 def to_status(e: Exception) -> status_pb2.Status:

@@ -13,7 +13,8 @@ from opentelemetry import trace
 from kvgen.engine.generator import Generator, InferenceSession, Result
 from kvgen.engine.sequence import Event
 from kvgen.service import convert, tracing
-from kvgen.service.errors import NotFound, Unavailable, abort, to_status
+from kvgen.errors import NotFound, Unavailable
+from kvgen.service.errors import abort, to_status
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 

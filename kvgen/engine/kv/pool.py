@@ -8,10 +8,7 @@ from collections import deque
 import torch
 
 from kvgen.engine.kv.formats import KVFormat
-
-
-class PoolExhausted(RuntimeError):
-    pass
+from kvgen.errors import PoolExhausted
 
 
 class BlockPool:
