@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-slow test-gpu protos lint bench bench-kv bench-gpu clean
+.PHONY: serve test test-slow test-gpu protos lint bench bench-kv bench-gpu bench-soak clean
 
 serve: $(STAMP) $(STUBS)
 	$(PY) -m kvgen.service.server
@@ -63,6 +63,10 @@ bench-kv: $(STAMP) $(STUBS)
 
 bench-gpu: $(STAMP) $(STUBS)
 	$(PY) bench/gpu.py
+
+# requests/s, TTFT, RSS and KV blocks over 10 minutes against `make serve` (SOAK_ARGS="--duration 60")
+bench-soak: $(STAMP) $(STUBS)
+	$(PY) bench/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) $(STUBS) kvgen/v1/generate_pb2.pyi

@@ -9,7 +9,7 @@ Method
   greedily (64 new tokens, EOS ignored) in one batch; per prompt, the length of the prefix
   that agrees with fp32, averaged.
 - Formats are built as the Generator builds them: fp8 key scales and q3 codebooks fitted
-  first (kvgen.engine.kv.calibrate), and fp8 / q4 / q3 keep each sequence's newest block
+  first (kvgen.engine.calibration), and fp8 / q4 / q3 keep each sequence's newest block
   and first token exact (KIVI's residual, the attention sink; kv/stage.py); "nothing kept exact" rows
   turn that off to measure what it buys.
   Chunks of half a block make every query see its own block exact and the blocks before it
@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.kv_text import EVAL_TEXT, PROMPTS  # noqa: E402
 from kvgen.engine.attention import Step  # noqa: E402
-from kvgen.engine.kv.calibrate import calibrate_format  # noqa: E402
+from kvgen.engine.calibration import calibrate_format  # noqa: E402
 from kvgen.engine.kv.formats import KV_DTYPES, KVFormat, make_format  # noqa: E402
 
 BLOCK = 16

@@ -17,10 +17,10 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 from concurrent import futures
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -29,9 +29,10 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased  # noqa: E402
 
 from kvgen.engine.generator import EngineOptions, Generator  # noqa: E402
-from kvgen.engine.kv.paged import PagedKVCache  # noqa: E402
+from kvgen.engine.kv.manager import KVManager  # noqa: E402
+from kvgen.engine.kv.tiers import TieredKV  # noqa: E402
+from kvgen.engine.kv_record import KVInfo, KVRecorder  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
-from kvgen.engine.trace import KVInfo, KVRecord, TracingCache  # noqa: E402
 from kvgen.service.tracing import Tracing  # noqa: E402
 
 
@@ -97,15 +98,16 @@ class Hooks:
 
     def install(self, engine) -> None:
         if self.tracing is None:
-            engine.on_submit = engine.on_release = None
+            engine.on_submit = engine.on_release = engine.on_step = None
             return
         engine.on_submit = self._timed(self.tracing.on_submit)
         engine.on_release = self._timed(self.tracing.on_release)
+        engine.on_step = self._timed(self.tracing.on_step)
 
     def _timed(self, fn):
-        def hook(seq):
+        def hook(*args):
             t = time.perf_counter()
-            fn(seq)
+            fn(*args)
             self.seconds += time.perf_counter() - t
 
         return hook
@@ -116,49 +118,55 @@ def run_round(gen: Generator, hooks: Hooks, streams: int, prompt: list[int], new
     hooks.install(gen.engine)
     tracing = hooks.tracing
     params = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
-    left = threading.Semaphore(0)
-    seqs = []
-    for i in range(streams):
-        ids = [(t + i) % 1000 + 100 for t in prompt]  # distinct prompts
-        emit = lambda ev: ev.finish_reason is not None and left.release()  # noqa: E731
-        if tracing:
-            with tracing.tracer.start_as_current_span("bench request"):
-                seqs.append(gen.start(ids, params, emit))
-        else:
-            seqs.append(gen.start(ids, params, emit))
-    for _ in seqs:
-        left.acquire()
-    for s in seqs:
-        s.done.wait()
+
+    async def together():
+        reqs = []
+        for i in range(streams):
+            ids = [(t + i) % 1000 + 100 for t in prompt]  # distinct prompts
+            if tracing:
+                with tracing.tracer.start_as_current_span("bench request"):
+                    reqs.append(gen.submit(ids, params))
+            else:
+                reqs.append(gen.submit(ids, params))
+        for r in reqs:
+            await r.result()
+            await r.released()
+        return [r.seq for r in reqs]
+
+    seqs = gen.bridge.run(together())
     t0 = max(s.first_token_at for s in seqs)
     t1 = max(s.finished_at for s in seqs)
     tokens = sum(len(s.output_ids) - 1 for s in seqs)
     return tokens / (t1 - t0), tokens, t1 - min(s.arrival for s in seqs)
 
 
-def wrapper_cost_per_step(gen: Generator, n: int = 20000) -> float:
-    """Seconds the KV wrapper adds to one sequence's decode step (reserve, slots, advance)."""
-    info = KVInfo.of(gen.pool.fmt)
+def events_cost_per_step(gen: Generator, n: int = 20000) -> float:
+    """Seconds KV events add to one traced sequence's decode step (reserve, advance, the step's
+    record), against a KV manager nobody listens to. Run while the engine is idle (its pool)."""
 
-    def run(cache) -> float:
+    def run(traced: bool) -> float:
+        tiers = TieredKV(gen.pool)
+        kv = KVManager(gen.pool, tiers, 0)
+        table = kv.new_table()
+        seq = SimpleNamespace(seq_id=0, prompt_ids=[0], cache=table, keep_kv=False)
+        recorder = KVRecorder(KVInfo.of(gen.pool.fmt))
+        if traced:
+            kv.listen(recorder.on_event)
+            recorder.attach(seq)
         t = time.perf_counter()
         for i in range(n):
-            pos = i % 256
-            cache.reserve(1)
-            cache.slots(pos, 1)
-            cache.advance(1)
-            if pos == 255:
-                cache.free()
-        cache.free()
+            kv.reserve(table, 1)
+            kv.advance(table, 1)
+            if traced:
+                recorder.on_step([(seq, 1)], 1e-6)
+            if i % 256 == 255:
+                kv.release(table)
+        kv.release(table)
+        tiers.close()
         return time.perf_counter() - t
 
-    plain = min(run(PagedKVCache(gen.pool)) for _ in range(3))
-    traced = []
-    for _ in range(3):
-        cache = TracingCache(PagedKVCache(gen.pool), info)
-        cache.attach(KVRecord(info, 0, 1))
-        traced.append(run(cache))
-    return max(0.0, min(traced) - plain) / n
+    plain = min(run(False) for _ in range(3))
+    return max(0.0, min(run(True) for _ in range(3)) - plain) / n
 
 
 def measure(gen: Generator, exporter: str = "console", streams: int = 8, new_tokens: int = 32,
@@ -167,10 +175,11 @@ def measure(gen: Generator, exporter: str = "console", streams: int = 8, new_tok
     unset afterwards). Returns the medians, the change, tracing's own time and a markdown row."""
     tracing, timed, receiver = make_tracing(exporter)
     off, on = Hooks(None), Hooks(tracing)
-    saved = gen.engine.on_submit, gen.engine.on_release
+    saved = gen.engine.on_submit, gen.engine.on_release, gen.engine.on_step
     prompt = list(range(16))
     rates = {"off": [], "on": []}
-    per_step = wrapper_cost_per_step(gen)
+    per_step = events_cost_per_step(gen)
+    tracing.bind(gen)
     ratios, on_tokens, on_wall = [], 0, 0.0
     try:
         for hooks in (on, off):  # warm up both paths
@@ -188,14 +197,14 @@ def measure(gen: Generator, exporter: str = "console", streams: int = 8, new_tok
             ratios.append(pair["on"] / pair["off"])
         tracing.provider.force_flush()
     finally:
-        gen.engine.on_submit, gen.engine.on_release = saved
+        gen.engine.on_submit, gen.engine.on_release, gen.engine.on_step = saved
         tracing.provider.shutdown()
         if receiver:
             receiver[0].stop(0)
     r = {"off": statistics.median(rates["off"]), "on": statistics.median(rates["on"]),
          "change_pct": (statistics.median(ratios) - 1) * 100, "rounds": rates,
          # what tracing itself spent during the traced rounds, against their wall time
-         "hooks_s": on.seconds, "export_s": timed.seconds, "wrapper_s_per_step": per_step,
+         "hooks_s": on.seconds, "export_s": timed.seconds, "events_s_per_step": per_step,
          "own_pct": (on.seconds + timed.seconds + per_step * on_tokens) / on_wall * 100}
     where = ("console exporter to /dev/null" if exporter == "console"
              else f"OTLP/gRPC to a loopback receiver ({receiver[2][0]} spans received)")
@@ -223,7 +232,7 @@ def main() -> None:
     print(f"off: {' '.join(f'{x:.1f}' for x in r['rounds']['off'])}\n"
           f"on:  {' '.join(f'{x:.1f}' for x in r['rounds']['on'])}\n"
           f"tracing's own time in traced rounds: hooks {r['hooks_s'] * 1e3:.1f} ms, "
-          f"export {r['export_s'] * 1e3:.1f} ms, KV wrapper {r['wrapper_s_per_step'] * 1e6:.2f} us per "
+          f"export {r['export_s'] * 1e3:.1f} ms, KV events {r['events_s_per_step'] * 1e6:.2f} us per "
           "sequence-step", file=sys.stderr)
     print(HEADER)
     print(r["row"])

@@ -3,6 +3,7 @@
     kvgen "Once upon a time" --max-new-tokens 64
     kvgen --chat "What is the capital of France?" --temperature 0
     kvgen --info
+    kvgen --info --target host:443 --ca-file ca.pem --cert-file me.pem --key-file me.key
 """
 
 from __future__ import annotations
@@ -31,8 +32,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ap.add_argument("--info", action="store_true", help="print the served model's info and exit")
     ap.add_argument("--api-key", default=os.environ.get("API_KEY", ""))
+    ap.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server by the system's roots")
+    ap.add_argument("--ca-file", help="PEM CA that signed the server's certificate (implies --tls)")
+    ap.add_argument("--cert-file", help="PEM client certificate, for a server that requires one (with --key-file)")
+    ap.add_argument("--key-file", help="PEM private key of --cert-file")
     args = ap.parse_args(argv)
-    client = Client(args.target, args.api_key)
+    if bool(args.cert_file) != bool(args.key_file):
+        ap.error("--cert-file and --key-file go together")
+    client = Client(args.target, args.api_key, tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file,
+                    key_file=args.key_file)
     try:
         if args.info:
             print(client.model_info())

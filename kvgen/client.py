@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 
@@ -23,9 +24,31 @@ def request(prompt: str | list[dict] | list[int], session_id: str = "", request_
     return req
 
 
+# The server sends up to MAX_SEND_BYTES (64 MiB by default); grpc clients accept 4 MB unless told.
+MAX_RECEIVE_BYTES = 64 << 20
+
+
+def open_channel(target: str, tls: bool = False, ca_file: str | None = None, cert_file: str | None = None,
+                 key_file: str | None = None) -> grpc.Channel:
+    """A channel to a kvgen server. TLS when tls is set or any file is given: ca_file verifies the
+    server (default: the system's roots); cert_file + key_file are this client's certificate, for
+    a server that requires one (mTLS)."""
+    options = [("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+    if not (tls or ca_file or cert_file or key_file):
+        return grpc.insecure_channel(target, options=options)
+    if bool(cert_file) != bool(key_file):
+        raise ValueError("a client certificate needs both cert_file and key_file")
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    creds = grpc.ssl_channel_credentials(read(ca_file), read(key_file), read(cert_file))
+    return grpc.secure_channel(target, creds, options=options)
+
+
 class Client:
-    def __init__(self, target: str = "localhost:50051", api_key: str = "", channel: grpc.Channel | None = None):
-        self.channel = channel or grpc.insecure_channel(target)
+    def __init__(self, target: str = "localhost:50051", api_key: str = "", channel: grpc.Channel | None = None,
+                 *, tls: bool = False, ca_file: str | None = None, cert_file: str | None = None,
+                 key_file: str | None = None):
+        """tls, ca_file, cert_file, key_file: see open_channel (ignored when a channel is given)."""
+        self.channel = channel or open_channel(target, tls, ca_file, cert_file, key_file)
         self.stub = pb_grpc.GeneratorStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 

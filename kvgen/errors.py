@@ -30,3 +30,8 @@ class NotFound(LookupError):
 
 class Unavailable(RuntimeError):
     """The server is loading or draining."""
+
+
+class ClientTooSlow(Overloaded):
+    """A stream's reader fell too far behind: the request was ended so the server does not hold
+    its output (RESOURCE_EXHAUSTED, like any overload)."""

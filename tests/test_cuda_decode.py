@@ -1,28 +1,31 @@
 """The CUDA decode step's logic on the CPU: bucket choice, staging / padding of step inputs, and
-the step itself (kvgen.engine.cuda_decode) run with torch reference kernels, and with the real
-CUDA C kernels emulated on the host, against Model.forward. tests/test_cuda_engine.py runs it
-on a GPU."""
+ModelRunner's kernel decode step (Model.forward with KernelAttention, through the graph runner)
+run with torch reference kernels, and with the real CUDA C kernels emulated on the host, against
+Model.forward with torch attention. tests/test_cuda_engine.py runs it on a GPU."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
 from kvgen.engine.attention import Step
-from kvgen.engine.cuda_decode import CudaDecoder, bucket_for, buckets_for, fill_rows
 from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model import Model
+from kvgen.engine.model_runner import ModelRunner, fill_rows, pick_kernel_attention
 from kvgen.engine.sampling import SamplingParams
+from kvgen.gpu.graphs import GraphRunner, buckets_for
 from kvgen.gpu.reference import kv_append_reference, paged_decode_reference
-from tests import test_gpu_build
+from tests.gpu import emulator
 from tests.tiny import tiny_config, tiny_weights
 
 # fixtures: kvgen.gpu.ops with its CUDA C kernels compiled for and run on the host
-emu_lib, emulated = test_gpu_build.emu_lib, test_gpu_build.emulated
+emu_lib, emulated = emulator.emu_lib, emulator.emulated
 
 
 class RefKernels:
@@ -44,8 +47,8 @@ def test_buckets():
     assert buckets_for(5) == (1, 2, 4, 8)
     assert buckets_for(1) == (1,)
     assert buckets_for(100) == (1, 2, 4, 8, 16, 32, 64)  # beyond: eager, unpadded
-    b = buckets_for(64)
-    assert [bucket_for(n, b) for n in (1, 2, 3, 5, 8, 9, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 64, 65]
+    runner = GraphRunner(lambda inputs: inputs, buckets=buckets_for(64))
+    assert [runner.bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 64, None]
 
 
 def test_fill_rows_pads_and_rewrites_stale_rows():
@@ -101,11 +104,16 @@ def _forward_decode(model, fmt, store, caches, tokens):
     return model.forward(torch.tensor(tokens, device=dev), step, fmt, store)
 
 
+def _sequences(token_lists, caches):
+    """Stand-ins for the engine's sequences, with what ModelRunner reads: tokens and cache."""
+    return [SimpleNamespace(tokens=list(t), cache=c) for t, c in zip(token_lists, caches, strict=True)]
+
+
 def _compare_decode(model, kv, kernels, graphs, lens=(5, 16, 17, 1, 30), steps=3, atol=1e-4):
-    """Decode steps through CudaDecoder (with the given kernels, on the model's device) and
-    through Model.forward over two copies of the same cache: same logits; the decoder's
-    counters advance by one per step. Returns both stores. (tests/test_cuda_engine.py runs
-    this on a GPU with the real kernels.)"""
+    """Decode steps through ModelRunner's kernel path (with the given kernels, on the model's
+    device) and through Model.forward with torch attention over two copies of the same cache:
+    same logits; the runner's device-side lengths advance by one per step. Returns both stores.
+    (tests/test_cuda_engine.py runs this on a GPU with the real kernels.)"""
     cfg = model.cfg
     fmt = make_format(kv, cfg.num_layers, 8, cfg.num_kv_heads, cfg.head_dim)
     pool = BlockPool(fmt, 64, model.device)
@@ -113,19 +121,24 @@ def _compare_decode(model, kv, kernels, graphs, lens=(5, 16, 17, 1, 30), steps=3
     prompts = [torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in lens]
     caches = _prefill(model, fmt, pool, prompts)
     store_ref = {k: v.clone() for k, v in pool.store.items()}
-    dec = CudaDecoder(model, fmt, pool.store, width=-(-cfg.context_length // 8), graphs=graphs, kernels=kernels)
-    tokens = [p[-1] for p in prompts]
+    runner = ModelRunner(model, fmt, pool.store, cuda_graphs=graphs, width=-(-cfg.context_length // 8),
+                         kernels=kernels)
+    assert runner.kernel_attention is not None
+    seqs = _sequences([p + p[-1:] for p in prompts], caches)  # first new token: the prompt's last again
     for _ in range(steps):
         for c in caches:
             c.reserve(1)
-        got = dec([(t, c.length, c.blocks) for t, c in zip(tokens, caches, strict=True)])
-        want = _forward_decode(model, fmt, store_ref, caches, tokens)  # on its own copy of the cache
-        assert got.shape == want.shape == (len(lens), cfg.vocab_size)
+        got = runner.run([(s, 1) for s in seqs])
+        tokens = [s.tokens[s.cache.length] for s in seqs]
+        want = _forward_decode(model, fmt, store_ref, caches, tokens).cpu()  # on its own copy of the cache
+        assert got.shape == want.shape == (len(lens), cfg.vocab_size) and got.device.type == "cpu"
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
-        assert dec.seq_lens.tolist() == [c.length + 1 for c in caches]
-        for c in caches:
-            c.advance(1)
-        tokens = want.argmax(-1).tolist()
+        assert runner.seq_lens.tolist() == [c.length + 1 for c in caches]
+        for s, t in zip(seqs, want.argmax(-1).tolist(), strict=True):
+            s.cache.advance(1)
+            s.tokens.append(t)
+    bucket = 1 << (len(lens) - 1).bit_length()  # the rows ran padded to the next power of two
+    assert runner.graphs.captured == ((bucket,) if graphs else ())
     return pool.store, store_ref
 
 
@@ -141,13 +154,34 @@ def test_graphs_on_and_off_give_identical_logits(tiny):
     for graphs in (True, False):
         fmt = make_format("fp32", cfg.num_layers, 8, cfg.num_kv_heads, cfg.head_dim)
         pool = BlockPool(fmt, 32)
-        caches = _prefill(tiny, fmt, pool, [[5, 6, 7], [8] * 9, [9, 10]])
-        dec = CudaDecoder(tiny, fmt, pool.store, width=32, graphs=graphs, kernels=RefKernels)
+        prompts = [[5, 6, 7], [8] * 9, [9, 10]]
+        caches = _prefill(tiny, fmt, pool, prompts)
+        runner = ModelRunner(tiny, fmt, pool.store, cuda_graphs=graphs, width=32, kernels=RefKernels)
         for c in caches:
             c.reserve(1)
-        out.append(dec([(3, c.length, c.blocks) for c in caches]).clone())
-        assert dec.runner.captured == ((4,) if graphs else ())  # 3 rows ran as a bucket of 4
+        out.append(runner.run([(s, 1) for s in _sequences([p + [3] for p in prompts], caches)]).clone())
+        assert runner.graphs.captured == ((4,) if graphs else ())  # 3 rows ran as a bucket of 4
     assert torch.equal(out[0], out[1])
+
+
+def test_kernel_attention_is_picked_only_where_the_kernels_serve(tiny):
+    """The one question to kvgen.gpu: CPU steps, windows, chunks, formats without kernels and
+    a stage of exact recent blocks all keep torch attention (and no graphs)."""
+    cfg = tiny.cfg
+    cpu = torch.device("cpu")
+
+    def fmt(kv, **opts):
+        return make_format(kv, cfg.num_layers, 8, cfg.num_kv_heads, cfg.head_dim, **opts)
+
+    assert pick_kernel_attention(cpu, fmt("fp32"), cfg.head_dim) is None  # no CUDA
+    assert pick_kernel_attention(cpu, fmt("fp32"), cfg.head_dim, kernels=RefKernels) is not None
+    assert pick_kernel_attention(cpu, fmt("fp32"), cfg.head_dim, window=8, kernels=RefKernels) is None
+    assert pick_kernel_attention(cpu, fmt("fp32"), cfg.head_dim, chunk=8, kernels=RefKernels) is None
+    assert pick_kernel_attention(cpu, fmt("q3"), cfg.head_dim, kernels=RefKernels) is None
+    assert pick_kernel_attention(cpu, fmt("q4", recent_slots=2), cfg.head_dim, kernels=RefKernels) is None
+    assert pick_kernel_attention(cpu, fmt("fp32"), 512, kernels=RefKernels) is None  # head_dim past the kernels'
+    runner = ModelRunner(tiny, fmt("fp32"), {})
+    assert runner.kernel_attention is None and runner.graphs is None
 
 
 @pytest.mark.parametrize("kv", ("fp32", "bf16", "fp8", "q4"))
@@ -167,13 +201,12 @@ def test_engine_decode_path_matches_forward(tiny, embedded):
         gen = Generator(tiny, tok, EngineOptions(kv_cache_mb=4, block_size=8))
         try:
             if use_decoder:
-                gen.engine.decoder = CudaDecoder(tiny, gen.pool.fmt, gen.pool.store, width=32,
-                                                 kernels=RefKernels)
+                gen.engine.runner = ModelRunner(tiny, gen.pool.fmt, gen.pool.store, width=32, kernels=RefKernels)
             prompts = [[5 + i] * (3 + 4 * i) for i in range(5)]
             params = [SamplingParams(temperature=0, max_new_tokens=4 + 3 * i, ignore_eos=True) for i in range(5)]
             results.append([r.token_ids for r in gen.batch_generate(prompts, params)])
             if use_decoder:
-                assert set(gen.engine.decoder.runner.captured) >= {8, 4}  # 5 rows, then fewer
+                assert set(gen.engine.runner.graphs.captured) >= {8, 4}  # 5 rows, then fewer
         finally:
             gen.close()
     assert results[0] == results[1]

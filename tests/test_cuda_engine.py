@@ -1,9 +1,10 @@
 """The engine on CUDA (`make test-gpu`; skipped without a CUDA device, CuPy and Numba).
 
-* the decode step (kvgen.engine.cuda_decode: kv_append, flash_decode, increment, CUDA graphs)
-  against Model.forward on the GPU, every kernel format, graphs on and off;
-* Model.forward itself on the GPU (prefill, chunked prefill, decode through flash_decode, and
-  the torch decode path with a window) against the CPU;
+* ModelRunner's kernel decode step (Model.forward with KernelAttention: kv_append, flash_decode,
+  increment, CUDA graphs) against Model.forward with torch attention on the GPU, every kernel
+  format, graphs on and off;
+* ModelRunner on the GPU (prefill, chunked prefill, decode through flash_decode, and the torch
+  decode path for q3 and with a window) against Model.forward on the CPU;
 * greedy generation of the oracle prompts (tests/test_oracle.py), fp32 weights, against the
   CPU engine with the same KV format: equal, or the first difference is a near-tie on the CPU
   (top-2 logit gap < 1e-2); fp8 / q4 agree for most tokens (the agreement is printed, -s);
@@ -26,8 +27,9 @@ from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.loader import embedded_model_path
 from kvgen.engine.model import Model
+from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import SamplingParams
-from tests.test_cuda_decode import _compare_decode
+from tests.test_cuda_decode import _compare_decode, _prefill, _sequences
 from tests.test_oracle import CHATS, RAW
 from tests.tiny import tiny_config, tiny_weights
 
@@ -117,23 +119,22 @@ def _cpu_top2_gap(model, kv: str, prompt: list[int], generated: list[int]) -> fl
 
 def _teacher_forced(model, kv: str, prompts: list[list[int]], forced: list[list[int]]) -> list[list[int]]:
     """Prefill each prompt (Model.forward on the GPU), then feed it the given tokens one step
-    for all rows at a time through CudaDecoder; per row, the argmax after each forced token."""
-    from kvgen.engine.cuda_decode import CudaDecoder
-    from kvgen.gpu import ops
-    from tests.test_cuda_decode import _prefill
-
+    for all rows at a time through ModelRunner's kernel decode step (CUDA graphs); per row, the
+    argmax after each forced token."""
     cfg = model.cfg
     fmt = make_format(kv, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     width = -(-max(len(p) + len(f) for p, f in zip(prompts, forced, strict=True)) // 16)
     pool = BlockPool(fmt, len(prompts) * width, model.device)
     caches = _prefill(model, fmt, pool, prompts)
-    dec = CudaDecoder(model, fmt, pool.store, width=width, kernels=ops)
+    runner = ModelRunner(model, fmt, pool.store, width=width)
+    assert runner.kernel_attention is not None
+    seqs = _sequences([p + f for p, f in zip(prompts, forced, strict=True)], caches)
     picked: list[list[int]] = [[] for _ in prompts]
     for t in range(max(len(f) for f in forced)):
         rows = [i for i, f in enumerate(forced) if t < len(f)]
         for i in rows:
             caches[i].reserve(1)
-        logits = dec([(forced[i][t], caches[i].length, caches[i].blocks) for i in rows])
+        logits = runner.run([(seqs[i], 1) for i in rows])  # seqs[i].tokens[cache.length] = forced[i][t]
         for i, top in zip(rows, logits.argmax(-1).tolist(), strict=True):
             picked[i].append(top)
             caches[i].advance(1)
@@ -159,19 +160,16 @@ def test_decode_step_matches_forward(tiny_cuda, kv, graphs):
 
 
 def test_decode_step_runs_from_graphs(tiny_cuda):
-    from kvgen.engine.cuda_decode import CudaDecoder
-    from kvgen.gpu import ops
-
     cfg = tiny_cuda.cfg
     fmt = make_format("fp32", cfg.num_layers, 8, cfg.num_kv_heads, cfg.head_dim)
     pool = BlockPool(fmt, 16, "cuda")
-    dec = CudaDecoder(tiny_cuda, fmt, pool.store, width=8, kernels=ops)
+    runner = ModelRunner(tiny_cuda, fmt, pool.store, width=8)
     caches = [PagedKVCache(pool) for _ in range(3)]
     for c in caches:
         c.reserve(1)
-    dec([(7, 0, c.blocks) for c in caches])
-    assert dec.runner.captured == (4,)
-    assert dec.seq_lens.tolist() == [1, 1, 1]  # advanced on the device, copied back from the graph
+    runner.run([(s, 1) for s in _sequences([[7]] * 3, caches)])
+    assert runner.graphs.captured == (4,)
+    assert runner.seq_lens.tolist() == [1, 1, 1]  # advanced on the device, copied back from the graph
     assert pool.store["kv"][caches[2].blocks[0], :, :, 0].abs().sum() > 0  # rows written
     assert not pool.store["kv"][[b for b in range(16) if b not in {c.blocks[0] for c in caches}]].any()
 
@@ -182,7 +180,8 @@ def test_decode_step_runs_from_graphs(tiny_cuda):
 @pytest.mark.parametrize(("kv", "window"), (("fp32", 0), ("fp16", 0), ("q4", 0), ("q3", 0), ("fp32", 8)))
 def test_forward_on_cuda_matches_cpu(embedded, cuda_model, kv, window):
     """Prefill of 10, a chunk of 7 (masked prefill), then single tokens (flash_decode; the torch
-    decode path for q3 and with a sliding window)."""
+    decode path for q3 and with a sliding window): ModelRunner on the GPU, the way the engine
+    runs steps, against the same on the CPU (Model.forward with torch attention)."""
     cpu, tok = embedded
     gpu, _ = cuda_model
     ids = tok.encode("The capital of France is Paris, the capital of Germany is Berlin, and the capital of "
@@ -192,21 +191,17 @@ def test_forward_on_cuda_matches_cpu(embedded, cuda_model, kv, window):
     cfg = cpu.cfg
     outs = []
     for model in (cpu, gpu):
-        dev = model.device
         fmt = make_format(kv, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)
-        pool = BlockPool(fmt, 16, dev)
+        pool = BlockPool(fmt, 16, model.device)
         cache = PagedKVCache(pool)
-        out, pos = [], 0
+        runner = ModelRunner(model, fmt, pool.store, window=window, width=16)  # on the CPU: torch attention
+        assert (runner.kernel_attention is not None) == (model is gpu and kv != "q3" and not window)
+        seq = _sequences([ids], [cache])[0]
+        out = []
         for n in chunks:
             cache.reserve(n)
-            blocks, offsets = cache.slots(pos, n)
-            step = Step(positions=torch.arange(pos, pos + n, device=dev), write_blocks=blocks.to(dev),
-                        write_offsets=offsets.to(dev), query_lens=[n], context_lens=[pos + n],
-                        block_tables=torch.tensor([cache.blocks], device=dev),
-                        logits_rows=torch.tensor([n - 1], device=dev), is_decode=n == 1, window=window)
-            out.append(model.forward(torch.tensor(ids[pos:pos + n], device=dev), step, fmt, pool.store)[0].cpu())
+            out.append(runner.run([(seq, n)])[0])
             cache.advance(n)
-            pos += n
         outs.append(torch.stack(out))
     # fp32: summation order only. Stored K/V can round either way where the GPU's value is a
     # last bit off the CPU's (one fp16 ulp; one q4 / q3 code); a misread block would be O(1).
@@ -224,7 +219,7 @@ def test_greedy_matches_cpu(embedded, cuda_model, oracle_ids, cpu_greedy, kv):
     rounded K/V, give or take one ulp where the GPU's fp32 value sits on a rounding edge)."""
     want = cpu_greedy(kv)
     got, gen = _cuda_greedy(cuda_model, oracle_ids, kv_dtype=kv)
-    assert gen.engine.decoder is not None and gen.engine.decoder.runner.captured
+    assert gen.engine.runner.graphs is not None and gen.engine.runner.graphs.captured
     for ids, a, b in zip(oracle_ids, got, want, strict=True):
         assert len(a) == N_NEW
         i = _first_difference(a, b)
@@ -240,7 +235,7 @@ def test_quantized_kv_mostly_agrees_with_cpu(embedded, cuda_model, oracle_ids, c
     """fp8 / q4 amplify last-bit differences (a value on a rounding edge takes the other code,
     fp8 block scales follow), and free-running greedy paths part for good at the first flip:
     on the CPU alone, batched against one-at-a-time runs already part within a few tokens for
-    most q4 prompts. So the check is teacher-forced: the CUDA engine's step (CudaDecoder), fed
+    most q4 prompts. So the check is teacher-forced: the CUDA engine's step (ModelRunner), fed
     the CPU's tokens, picks the CPU's next token at most steps (on the CPU, the same check with
     reference kernels and prompts prefilled one by one instead of together: fp8 96%, q4 94%:
     an fp8 block's scale is its absmax, so a last-bit change there moves every code of the
@@ -269,8 +264,8 @@ def test_graphs_on_equals_off(cuda_model, oracle_ids, kv, batch):
               for i in range(batch)]
     on, gen_on = _cuda_greedy(cuda_model, prompts, params, kv_dtype=kv, cuda_graphs=True)
     off, gen_off = _cuda_greedy(cuda_model, prompts, params, kv_dtype=kv, cuda_graphs=False)
-    assert gen_on.engine.decoder.runner.captured and not gen_off.engine.decoder.runner.captured
-    assert {1: 1, 3: 4, 8: 8}[batch] in gen_on.engine.decoder.runner.captured
+    assert gen_on.engine.runner.graphs.captured and not gen_off.engine.runner.graphs.captured
+    assert {1: 1, 3: 4, 8: 8}[batch] in gen_on.engine.runner.graphs.captured
     assert on == off
 
 

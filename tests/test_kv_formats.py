@@ -278,7 +278,7 @@ def test_recent_block_is_exact_until_its_sequence_moves_on(name):
     store, ref = fmt.allocate(4), direct.allocate(4)
     x = rows_like(torch.Generator().manual_seed(3), bs + 1, kvh, hd)
     _write_rows(fmt, store, 1, range(5), x[:5])
-    stage = store["stage"]
+    stage = fmt  # the ExactTail make_format returns with recent_slots
     assert list(stage.recent.held) == [1]
     for layer in range(L):
         K, V = fmt.read(store, layer, torch.tensor([1]))
@@ -301,20 +301,21 @@ def test_recent_slots_come_back_with_freed_blocks_and_run_out_gracefully():
     bs, kvh, hd = 4, 1, 8
     pool = BlockPool(make_format("q4", L, bs, kvh, hd, recent_slots=1), 4)
     fmt, store = pool.fmt, pool.store
+    assert (pool.exact_blocks_used, pool.exact_blocks_total) == (0, 1)
     a, b = pool.alloc(2)
     x = rows_like(torch.Generator().manual_seed(0), 2, kvh, hd)
     _write_rows(fmt, store, a, [0, 1], x)
     _write_rows(fmt, store, b, [0, 1], x)  # no slot left: straight to the quantized store
-    assert list(store["stage"].recent.held) == [a]
+    assert list(fmt.recent.held) == [a] and pool.exact_blocks_used == 1
     ka, kb = fmt.read(store, 0, torch.tensor([a]))[0][0, :2], fmt.read(store, 0, torch.tensor([b]))[0][0, :2]
     assert torch.equal(ka, x) and not torch.equal(kb, x)
     assert ((kb - x).abs() <= x.abs().amax(0) / 14 * (1 + 2**-10) + 1e-6).all()
     pool.free([a])
-    assert store["stage"].recent.held == {} and store["stage"].recent.free == [0]
-    assert (store["stage"].recent.of == -1).all()
+    assert fmt.recent.held == {} and fmt.recent.free == [0] and pool.exact_blocks_used == 0
+    assert (fmt.recent.of == -1).all()
     (c,) = pool.alloc(1)
     _write_rows(fmt, store, c, [0], x[:1])
-    assert list(store["stage"].recent.held) == [c]
+    assert list(fmt.recent.held) == [c]
 
 
 @pytest.mark.parametrize("name", ["fp8", "q4"])
@@ -326,10 +327,10 @@ def test_a_block_cut_by_truncate_is_staged_again_with_its_rows(name):
     store = fmt.allocate(2)
     x = rows_like(torch.Generator().manual_seed(1), bs + 1, kvh, hd)
     _write_rows(fmt, store, 0, range(bs), x[:bs])  # written whole: quantized at once
-    assert not store["stage"].recent.held
+    assert not fmt.recent.held
     before = [fmt.read(store, layer, torch.tensor([0])) for layer in range(L)]
     _write_rows(fmt, store, 0, [3], x[bs:])  # truncated to 3 rows, then one more token
-    assert list(store["stage"].recent.held) == [0]
+    assert list(fmt.recent.held) == [0]
     for layer in range(L):
         K, V = fmt.read(store, layer, torch.tensor([0]))
         assert torch.equal(K[0, :3], before[layer][0][0, :3]) and torch.equal(V[0, :3], before[layer][1][0, :3])
@@ -347,15 +348,15 @@ def test_take_and_put_block_carry_the_exact_rows():
     assert "stage" in data and not data["stage"][:, :, 2:].any()
     fmt.release(store, [0])
     fmt.put_block(store, 2, data, fill=2)  # a slot is free again: exact
-    assert list(store["stage"].recent.held) == [2]
+    assert list(fmt.recent.held) == [2]
     for layer in range(L):
         for a, b in zip(before[layer], fmt.read(store, layer, torch.tensor([2])), strict=True):
             assert torch.equal(a[0, :2], b[0, :2])
     _write_rows(fmt, store, 1, [0], x[:1])  # slot taken by another block...
     fmt.release(store, [2])
-    store["stage"].recent.acquire(1)
+    fmt.recent.acquire(1)
     fmt.put_block(store, 0, data, fill=2)  # ...so the rows are quantized into the block
-    assert 0 not in store["stage"].recent.held
+    assert 0 not in fmt.recent.held
     K, _ = fmt.read(store, 0, torch.tensor([0]))
     assert ((K[0, :2] - x).abs() <= x.abs().amax(0) / 14 * (1 + 2**-10) + 1e-6).all()
 
@@ -375,7 +376,7 @@ def test_first_token_of_a_sequence_stays_exact(name):
     assert not torch.equal(K[0, 1:], x[1:])
     data = fmt.take_block(store, 0, fill=bs)
     fmt.release(store, [0])
-    assert not store["stage"].first.held
+    assert not fmt.first.held
     assert not torch.equal(fmt.read(store, 1, torch.tensor([0]))[0][0, 0], x[0])
     fmt.put_block(store, 2, data, fill=bs)
     K2, _ = fmt.read(store, 1, torch.tensor([2]))
@@ -386,6 +387,49 @@ def test_first_token_of_a_sequence_stays_exact(name):
         for layer in range(L):
             fmt.write(store, layer, torch.tensor([pos // bs]), torch.tensor([pos % bs]), x[pos % bs:pos % bs + 1],
                       -x[pos % bs:pos % bs + 1], torch.tensor([pos]))
-    assert list(store["stage"].recent.held) == [1] and list(store["stage"].first.held) == [0]
+    assert list(fmt.recent.held) == [1] and list(fmt.first.held) == [0]
     K, _ = fmt.read(store, 1, torch.tensor([0]))
     assert torch.equal(K[0, 0], x[0]) and not torch.equal(K[0, 1:], x[1:])
+
+
+@pytest.mark.parametrize("name", ["fp8", "q4", "q3"])
+def test_exact_tail_wraps_a_format_and_keeps_the_store_plain(name):
+    """The stage is a wrapper: its store is exactly the inner format's tensors (what a GPU kernel
+    reads), the inner format's parameters read through, and a store it did not allocate is refused."""
+    from kvgen.engine.kv.pool import BlockPool
+    from kvgen.engine.kv.stage import ExactTail
+
+    fmt = make_format(name, L, 4, 2, 16, recent_slots=2)
+    plain = make_format(name, L, 4, 2, 16)
+    assert isinstance(fmt, ExactTail) and type(fmt.inner) is type(plain)
+    assert (fmt.name, fmt.block_size, fmt.head_dim, fmt.recent_slots) == (name, 4, 16, 2) and plain.recent_slots == 0
+    assert fmt.bytes_per_block() == plain.bytes_per_block() and fmt.stage_bytes() > 0 == plain.stage_bytes()
+    store = fmt.allocate(3)
+    assert store.keys() == plain.allocate(3).keys() and all(isinstance(t, torch.Tensor) for t in store.values())
+    fmt.qk_scale = torch.ones(1)
+    assert fmt.inner.qk_scale is fmt.qk_scale  # one value, wherever it is read
+    with pytest.raises(ValueError):
+        fmt.read(plain.allocate(3), 0, torch.tensor([0]))
+    assert (BlockPool(plain, 2).exact_blocks_used, BlockPool(plain, 2).exact_blocks_total) == (0, 0)
+
+
+def test_fit_format_from_samples():
+    """kv/calibrate.py fits from K/V samples alone (no model): fp8 key scales that equalise the
+    key channels, q3 codebooks; nothing for plain formats or q4."""
+    from kvgen.engine.kv.calibrate import fit_format
+
+    gen = torch.Generator().manual_seed(0)
+    samples = [(torch.randn(64, 2, 16, generator=gen) * torch.linspace(0.1, 30, 16),
+                torch.randn(64, 2, 16, generator=gen)) for _ in range(L)]
+    for name in ("fp32", "q4"):
+        fmt = make_format(name, L, 4, 2, 16)
+        assert not fit_format(fmt, samples, num_heads=6) and fmt.qk_scale is None
+    fp8 = make_format("fp8", L, 4, 2, 16, recent_slots=1)
+    assert fit_format(fp8, samples, num_heads=6, dtype=torch.float16)
+    assert fp8.qk_scale.shape == (L, 6 + 2, 16) and fp8.qk_scale.dtype == torch.float16
+    k_eq = samples[0][0] * fp8.qk_scale[0, 6:].float()  # keys as the cache holds them
+    spread = [(c.amax(-1) / c.amin(-1)).max() for c in (k_eq.abs().amax(0), samples[0][0].abs().amax(0))]
+    assert spread[0] < 1.01 < 10 < spread[1]  # per head: every channel the same size, and it was not
+    q3 = make_format("q3", L, 4, 2, 16)
+    assert fit_format(q3, samples, num_heads=6) and q3.qk_scale is None
+    assert not torch.equal(q3.codebook[0, 0], quant.normal_codebook())

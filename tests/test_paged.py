@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from kvgen.engine.attention import Step, attend
 from kvgen.engine.engine import Engine
 from kvgen.engine.kv.formats import make_format
+from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.scheduler import Scheduler
@@ -72,24 +74,48 @@ def test_paged_attention_equals_contiguous(seed, heads, kv_heads):
         start += n
 
 
-def test_cache_verbs_follow_the_seed(embedded):
-    """update / get / seq_len / truncate / reset on one sequence's paged cache."""
+def append(cache: PagedKVCache, kvs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Write one K, V [n, kv_heads, head_dim] per layer after what the cache holds, as a forward
+    pass does: reserve, write every layer through the slots, advance."""
+    n = kvs[0][0].shape[0]
+    cache.reserve(n)
+    blocks, offsets = cache.slots(cache.length, n)
+    positions = torch.arange(cache.length, cache.length + n)
+    for layer, (k, v) in enumerate(kvs):
+        cache.pool.fmt.write(cache.pool.store, layer, blocks, offsets, k, v, positions)
+    cache.advance(n)
+
+
+def gather(cache: PagedKVCache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [length - kv_start, kv_heads, head_dim] of one layer, read back from the blocks."""
+    fmt = cache.pool.fmt
+    live = torch.tensor(cache.blocks[cache.first:-(-cache.length // fmt.block_size)], dtype=torch.long)
+    k, v = fmt.read(cache.pool.store, layer, live)
+    shape, n = (-1, fmt.num_kv_heads, fmt.head_dim), cache.length - cache.kv_start
+    return k.reshape(shape)[:n], v.reshape(shape)[:n]
+
+
+def test_cache_verbs():
+    """reserve / slots / advance / truncate / reset on one sequence's paged cache."""
     fmt = make_format("fp32", 2, 4, 2, 8)
     pool = BlockPool(fmt, 8)
     cache = PagedKVCache(pool)
     ks = [torch.randn(10, 2, 8) for _ in range(2)]
-    for layer in range(2):
-        cache.update(layer, ks[layer], -ks[layer])
-    assert cache.seq_len == 10 and pool.used == 3
-    k, v = cache.get(1)
+    append(cache, [(k, -k) for k in ks])
+    assert cache.length == 10 and pool.used == 3 and cache.blocks_needed(2) == 0 and cache.blocks_needed(3) == 1
+    k, v = gather(cache, 1)
     torch.testing.assert_close(k, ks[1])
     torch.testing.assert_close(v, -ks[1])
     assert len(cache.truncate(5)) == 1 and pool.used == 2
-    k, _ = cache.get(0)
+    k, _ = gather(cache, 0)
     torch.testing.assert_close(k, ks[0][:5])
-    assert pool.fragmentation_ratio() == pytest.approx(3 / 8)
+    first = cache.blocks[0]
+    assert cache.drop_before(4) == [first] and cache.blocks[0] == -1 and cache.kv_start == 4 and pool.used == 1
+    assert cache.live_blocks == cache.blocks[1:]
+    k, _ = gather(cache, 0)
+    torch.testing.assert_close(k, ks[0][4:5])
     cache.reset()
-    assert pool.used == 0 and cache.seq_len == 0
+    assert pool.used == 0 and cache.length == 0 and cache.blocks == []
 
 
 # Property test: a tiny model through the real scheduler and engine, driven step by step.
@@ -115,8 +141,8 @@ def test_random_traffic_never_leaks_or_double_frees(tiny_model, embedded, ops, b
     cfg = tiny_model.cfg
     fmt = make_format("fp32", cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)
     pool = BlockPool(fmt, blocks)
-    sched = Scheduler(token_budget=budget, max_running=8, max_waiting=1000)
-    engine = Engine(tiny_model, pool, sched)  # not started: steps are run here
+    sched = Scheduler(KVManager(pool, TieredKV(pool), warm_bytes=0), token_budget=budget, max_running=8)
+    engine = Engine(tiny_model, pool, sched, max_waiting=1000)  # not started: steps are run here
     seqs, finished = [], []
     for op, a, b in ops:
         if op == "submit":

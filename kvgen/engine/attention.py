@@ -1,8 +1,13 @@
-"""Attention over the paged KV cache: the PyTorch reference that the CPU path runs.
+"""Attention over the paged KV cache: the two backends Model.forward's layer loop calls.
 
-On CUDA, decode steps without a window / chunk over a format the kernels support go to
-kvgen.gpu.ops.flash_decode (`attend` dispatches); everything else runs the torch code below on
-whatever device q is on.
+Each layer hands its new q, k, v to `backend.write_and_attend(fmt, store, layer, q, k, v, step)`,
+which stores k, v in the cache and returns the attention output. Two backends:
+
+TorchAttention   fmt.write, then the PyTorch code below (prefill, mixed and decode steps, any
+                 format, windows and chunks; the CPU path, and every step the kernels do not take).
+KernelAttention  kv_append + flash_decode (kvgen.gpu.ops) for decode steps: positions and lengths
+                 come from device tensors (KernelStep), so a forward over them can be captured in
+                 a CUDA graph. It gets the kernels handed in; model_runner picks it.
 """
 
 from __future__ import annotations
@@ -13,7 +18,6 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.engine.kv.formats import KVFormat
-from kvgen.gpu import ops as gpu_ops  # imports without CuPy; only called on CUDA tensors
 
 
 @dataclass(slots=True)
@@ -26,22 +30,63 @@ class Step:
     query_lens: list[int]  # new tokens per sequence (1 for decode)
     context_lens: list[int]  # K/V length per sequence after this step
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
-    logits_rows: torch.Tensor  # [B] row of each sequence's last new token
+    logits_rows: torch.Tensor | None  # [B] row of each sequence's last new token (None: every row)
     is_decode: bool  # every sequence has exactly one new token
     kv_starts: list[int] | None = None  # position of each table's first key (blocks before it freed)
     window: int = 0  # sliding window: a query sees the last `window` positions (0 = all)
     chunk: int = 0  # chunked attention: a query sees its own chunk of `chunk` positions (0 = off)
-    # (block tables, context lens) as int32 on q's device for flash_decode: made by the first
-    # layer that needs them, reused by the others
-    kernel_args: tuple[torch.Tensor, torch.Tensor] | None = None
     decode_plan: tuple | None = None  # made by the first layer's decode attention (_decode_plan)
+
+
+class TorchAttention:
+    """The reference backend: the format's own write, then `attend`."""
+
+    @staticmethod
+    def write_and_attend(fmt: KVFormat, store: dict, layer: int, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, step: Step) -> torch.Tensor:
+        fmt.write(store, layer, step.write_blocks, step.write_offsets, k, v, step.positions)
+        return attend(q, fmt, store, layer, step)
+
+
+TORCH_ATTENTION = TorchAttention()
+
+
+@dataclass(slots=True)
+class KernelStep:
+    """A decode step as the kernels read it, one new token per row and device tensors only (the
+    same shapes on every call), so the forward over it can be captured once and replayed."""
+
+    block_tables: torch.Tensor  # [B, width] int32, padded with -1
+    seq_lens: torch.Tensor  # [B] int32 tokens already cached = the new token's position; -1: padding row
+    positions: torch.Tensor  # [B] int64 for the RoPE lookup (padding rows: 0, to stay in range)
+    logits_rows: None = None  # logits of every row
+
+    @classmethod
+    def of(cls, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> KernelStep:
+        return cls(block_tables, seq_lens, seq_lens.clamp_min(0).long())
+
+
+class KernelAttention:
+    """Decode attention through the GPU kernels. kernels: kvgen.gpu.ops, or anything with its
+    kv_append / flash_decode / increment (tests run torch references and host-emulated kernels)."""
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    def write_and_attend(self, fmt: KVFormat, store: dict, layer: int, q: torch.Tensor, k: torch.Tensor,
+                         v: torch.Tensor, step: KernelStep) -> torch.Tensor:
+        self.kernels.kv_append(fmt, store, layer, k, v, step.block_tables, step.seq_lens)  # at seq_lens[row]
+        # the lengths count the tokens before this one, which is written already: len_offset 1
+        return self.kernels.flash_decode(q, fmt, store, layer, step.block_tables, step.seq_lens, len_offset=1)
+
+    def advance(self, step: KernelStep) -> None:
+        """Count the step's token in the device-side lengths (once, after the last layer)."""
+        self.kernels.increment(step.seq_lens)
 
 
 def attend(q: torch.Tensor, fmt: KVFormat, store: dict, layer: int, step: Step) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D], reading K/V (already written) through the block tables."""
     if step.is_decode:
-        if q.is_cuda and _flash_ok(fmt, step):
-            return _flash_decode(q, fmt, store, layer, step)
         return _decode(q, fmt, store, layer, step)
     out = []
     start = 0
@@ -73,21 +118,6 @@ def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, step: Step) -> torch.Tenso
     if step.chunk:
         mask &= kp >= qp - qp % step.chunk
     return mask
-
-
-def _flash_ok(fmt, step: Step) -> bool:
-    return (fmt.name in gpu_ops.FORMATS and not fmt.recent_slots  # the kernels do not read the stage
-            and not (step.window or step.chunk or step.kv_starts))
-
-
-def _flash_decode(q, fmt, store, layer, step):
-    if step.kernel_args is None:
-        step.kernel_args = (step.block_tables.to(device=q.device, dtype=torch.int32),
-                            torch.tensor(step.context_lens, dtype=torch.int32).to(q.device))
-    tables, lens = step.kernel_args
-    # K/V of the new token is already written (Model.forward writes before attending), so the
-    # lengths include it: len_offset 0.
-    return gpu_ops.flash_decode(q, fmt, store, layer, tables, lens)
 
 
 def _decode(q, fmt, store, layer, step):

@@ -1,36 +1,45 @@
-"""The engine's Python API, mirroring the seed: generate, generate_stream, batch_generate,
-and sessions that keep their KV cache between calls."""
+"""The engine's Python API: load a model, submit requests, hold sessions.
+
+Every request goes through one async handle (request.Request: iterate its events, cancel it,
+wait until its blocks are released); the gRPC servicer only maps messages to and from it.
+Python callers without an event loop get the same thing through `generate`,
+`generate_stream`, `batch_generate` and the session's `generate`, run on a bridge loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import os
-import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Iterator
 
 import torch
 
 from kvgen.engine import loader
+from kvgen.engine.bridge import Bridge
+from kvgen.engine.calibration import calibrate_format
 from kvgen.engine.engine import Engine
-from kvgen.engine.kv.calibrate import calibrate_format
 from kvgen.engine.kv.formats import make_format
-from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.pool import BlockPool
-from kvgen.errors import InvalidRequest, PoolExhausted
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.model import Model
+from kvgen.engine.model_runner import kernels_serve
 from kvgen.engine.options import EngineOptions
-from kvgen.engine.sampling import Sampled, SamplingParams
+from kvgen.engine.request import Prompt, Request
+from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.scheduler import Scheduler
-from kvgen.engine.sequence import Event, FinishReason, Sequence, Usage
+from kvgen.engine.sequence import Event, Sequence
+from kvgen.engine.session import Session
 from kvgen.engine.threads import in_fresh_thread
 from kvgen.engine.tokenizer import TextTokenizer
-from kvgen.gpu import ops as gpu_ops  # imports without CuPy
+from kvgen.errors import InvalidRequest, Overloaded
 
-Prompt = str | list[dict] | list[int]
+# Prompts longer than this are tokenized off the event loop (a chat template and BPE over a
+# long text take milliseconds the loop's other clients would wait for).
+INLINE_TOKENIZE_CHARS = 2048
 
 
 def load_model(path: str, weight_dtype: str = "fp32", device: str = "cpu") -> tuple[Model, TextTokenizer]:
@@ -44,33 +53,14 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
     return Model(cfg, weights, weight_dtype, device), tokenizer
 
 
-@dataclass
-class Result:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[Sampled] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    matched_stop: str = ""
-    usage: Usage | None = None
-    timings: dict | None = None
-    request_id: str = ""
-
-    def add(self, ev: Event) -> None:
-        self.text += ev.text
-        self.token_ids += ev.token_ids
-        self.logprobs += ev.logprobs
-        if ev.finish_reason is not None:
-            self.finish_reason, self.matched_stop = ev.finish_reason, ev.matched_stop
-            self.usage, self.timings = ev.usage, ev.timings
-
-
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:
     cfg = model.cfg
     # Quantized formats keep each running sequence's newest block exact (kv/stage.py); the GPU
     # kernels of a format read only its quantized store, so where they run it is off.
     # One slot per running sequence, within a quarter of the KV budget.
     quantized = opts.kv_dtype in ("fp8", "q4", "q3")
-    kernels = model.device.type == "cuda" and opts.kv_dtype in gpu_ops.FORMATS
+    window = opts.attention_window or cfg.sliding_window or 0
+    kernels = kernels_serve(model.device, opts.kv_dtype, cfg.head_dim, window, opts.attention_chunk)
     args = (opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim)
     slots = None
     if quantized and not kernels:
@@ -94,13 +84,15 @@ class Generator:
         self.tokenizer = tokenizer
         self.model = model
         self.pool = in_fresh_thread(_make_pool, model, tokenizer, opts)  # see threads.py
-        self.tiers = TieredKV(self.pool, cold_dir=opts.kv_cold_dir or None)  # lossless: raw bytes
-        self.scheduler = Scheduler(opts.token_budget, opts.max_running, opts.max_waiting, reclaim=self._reclaim)
+        self.tiers = TieredKV(self.pool, codec=opts.kv_warm_codec, cold_dir=opts.kv_cold_dir or None)
+        kv = KVManager(self.pool, self.tiers, warm_bytes=int(opts.kv_warm_mb * 2**20))
+        self.scheduler = Scheduler(kv, opts.token_budget, opts.max_running)
         window = opts.attention_window or cfg.sliding_window or 0
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
-                             cuda_graphs=opts.cuda_graphs)
-        self.sessions: dict[str, InferenceSession] = {}
-        self._sessions_lock = threading.Lock()
+                             cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting)
+        self.sessions: dict[str, Session] = {}
+        self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask
+        self.bridge = Bridge()
         self.engine.start()
 
     @classmethod
@@ -115,10 +107,19 @@ class Generator:
     def close(self) -> None:
         self.engine.stop()
         self.tiers.close()
+        self.bridge.close()
 
     # requests
 
-    def prompt_ids(self, prompt: Prompt) -> list[int]:
+    async def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt (text, chat messages or ids); long ones are tokenized in a thread."""
+        size = len(prompt) if isinstance(prompt, str) else sum(len(m.get("content") or "") for m in prompt
+                                                                 if isinstance(m, dict))
+        if size > INLINE_TOKENIZE_CHARS:
+            return await asyncio.to_thread(self.tokenize, prompt)
+        return self.tokenize(prompt)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
             name = "prompt"
@@ -150,180 +151,99 @@ class Generator:
         if bad:
             raise InvalidRequest(bad)
 
-    def start(self, ids: list[int], params: SamplingParams, emit, request_id: str = "",
-              session: InferenceSession | None = None) -> Sequence:
-        """Submit a request; events go to emit(ev) from the engine thread. Raises InvalidRequest
-        or Overloaded."""
-        self.check(ids, params)
-        cache = session.cache if session else PagedKVCache(self.pool)
-        seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, emit, cache,
-                       request_id or uuid.uuid4().hex)
-        seq.session = session
-        self.engine.submit(seq)
-        return seq
+    async def request(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                      request_id: str = "") -> Request:
+        """Submit one request (not in a session). Raises InvalidRequest or Overloaded."""
+        return self.submit(await self.prompt_ids(prompt), sampling, request_id)
 
-    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Result:
-        result = Result()
-        for ev in self.generate_stream(prompt, sampling):
-            result.add(ev)
-        return result
-
-    def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                        session: InferenceSession | None = None) -> Iterator[Event]:
+    def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
+               session: Session | None = None, keep: int = 0) -> Request:
+        """Hand token ids to the engine; call on the event loop that will read the Request."""
         params = sampling or SamplingParams()
-        ids = session.prepare(prompt) if session else self.prompt_ids(prompt)
-        return self._events(ids, params, session)
+        self.check(ids, params)
+        req = Request(self.options.stream_buffer)
+        table = session.cache if session else self.scheduler.kv.new_table()
+        seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, req.deliver, table,
+                       request_id or uuid.uuid4().hex, keep_kv=session is not None,
+                       resume_from=keep if session else None, on_release=req.on_release)
+        req.bind(seq, lambda: self.engine.cancel(seq))
+        self.engine.submit(seq)
+        return req
 
-    def _events(self, ids, params, session) -> Iterator[Event]:
-        q: queue.Queue[Event] = queue.Queue()
-        seq = self.start(ids, params, q.put, session=session)
+    @staticmethod
+    async def events(request: Awaitable[Request]) -> AsyncIterator[Event]:
+        """A request's events; leaving early cancels it."""
+        req = await request
         try:
-            while True:
-                ev = q.get()
+            async for ev in req:
                 yield ev
-                if ev.finish_reason is not None:
-                    return
         finally:
-            if not seq.finished:
-                self.engine.cancel(seq)
-                seq.done.wait()
+            req.cancel()
+
+    # synchronous use
+
+    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Event:
+        return self.bridge.run(self._result(prompt, sampling))
+
+    def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[Event]:
+        return self.bridge.iterate(self.events(self.request(prompt, sampling)))
 
     def batch_generate(self, prompts: list[Prompt], sampling: list[SamplingParams] | SamplingParams | None = None
-                       ) -> list[Result | Exception]:
+                       ) -> list[Event | Exception]:
         """All requests run together in the scheduler; a bad one is returned as its exception."""
-        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
-        results: list[Result | Exception] = []
-        done = threading.Semaphore(0)
-        started = 0
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        return self.bridge.run(self._batch(prompts, params))
+
+    async def _result(self, prompt, sampling) -> Event:
+        req = await self.request(prompt, sampling)
+        out = await req.result()
+        await req.released()  # a synchronous caller sees the pool as the request left it
+        return out
+
+    async def _batch(self, prompts, params) -> list[Event | Exception]:
+        # Every request is submitted before any is awaited, so the scheduler batches them.
+        reqs: list[Request | Exception] = []
         for prompt, p in zip(prompts, params, strict=True):
-            r = Result()
             try:
-                ids = self.prompt_ids(prompt)
-                self.start(ids, p, lambda ev, r=r: (r.add(ev), ev.finish_reason is not None and done.release()))
-                started += 1
-                results.append(r)
+                reqs.append(await self.request(prompt, p))
             except Exception as e:
-                results.append(e)
-        for _ in range(started):
-            done.acquire()
-        return results
+                reqs.append(e)
+        out = [r if isinstance(r, Exception) else await r.result() for r in reqs]
+        for r in reqs:
+            if isinstance(r, Request):
+                await r.released()
+        return out
 
     # sessions
 
-    def new_session(self) -> InferenceSession:
-        s = InferenceSession(self, uuid.uuid4().hex)
+    def new_session(self, session_id: str = "") -> Session:
         with self._sessions_lock:
-            self.sessions[s.session_id] = s
+            if len(self.sessions) >= self.options.max_sessions:
+                raise Overloaded(f"{len(self.sessions)} sessions open (MAX_SESSIONS)", retry_after=5.0)
+            sid = session_id or uuid.uuid4().hex
+            if sid in self.sessions:
+                raise InvalidRequest([("session_id", "a session with this id is already open")])
+            s = self.sessions[sid] = Session(self, sid)
         return s
 
-    def get_session(self, session_id: str) -> InferenceSession | None:
+    def get_session(self, session_id: str) -> Session | None:
         with self._sessions_lock:
             return self.sessions.get(session_id)
 
-    def close_session(self, session_id: str) -> bool:
+    def close_session(self, session_id: str, on_freed=None) -> bool:
+        """Close a session: a running turn is cancelled and its blocks freed, after which the
+        engine thread calls on_freed(). Returns at once."""
         with self._sessions_lock:
             s = self.sessions.pop(session_id, None)
         if s:
-            s.close()
+            s.close(on_freed)
         return s is not None
 
     def expire_sessions(self, now: float | None = None) -> int:
         now = now or time.monotonic()
         with self._sessions_lock:
-            old = [sid for sid, s in self.sessions.items() if now - s.last_used > self.options.session_ttl_s]
+            old = [sid for sid, s in self.sessions.items()
+                   if now - s.last_used > self.options.session_ttl_s and not s.busy]
         for sid in old:
             self.close_session(sid)
         return len(old)
-
-    def _reclaim(self, need: int) -> bool:
-        """Engine thread, pool short of `need` blocks: idle sessions' blocks move down to the warm
-        tier (host memory; the least recently used session's first, see tiers.AccessPolicy), and
-        past kv_warm_mb on to disk. A session brings them back on its next turn."""
-        with self._sessions_lock:
-            sessions = list(self.sessions.values())
-        idle = [s for s in sessions if s.cache.blocks and s.lock.acquire(blocking=False)]  # not mid-turn
-        try:
-            room = self.tiers.make_room(need, only=[s.cache for s in idle])
-            self.tiers.spill(int(self.options.kv_warm_mb * 2**20))
-        finally:
-            for s in idle:
-                s.lock.release()
-        return room
-
-
-class InferenceSession:
-    """A conversation whose KV blocks stay in the pool between calls; calls are serialised.
-
-    Messages are appended to the session's conversation; raw prompts and token ids continue
-    its token history. Whatever prefix of the new prompt is already cached is not recomputed.
-    """
-
-    def __init__(self, gen: Generator, session_id: str):
-        self.gen = gen
-        self.session_id = session_id
-        self.cache = PagedKVCache(gen.pool)
-        self.history: list[int] = []  # tokens of the conversation so far
-        self.messages: list[dict] = []
-        self.lock = threading.Lock()
-        self.last_used = time.monotonic()
-        self._pending_messages: list[dict] = []
-
-    def prepare(self, prompt: Prompt) -> list[int]:
-        """Prompt ids for the next turn; trims the cache to what they share with it, and brings
-        blocks that went down a tier back into the pool."""
-        self.last_used = time.monotonic()
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            self._pending_messages = [*self.messages, *prompt]
-            ids = self.gen.prompt_ids(self._pending_messages)
-        else:
-            self._pending_messages = []
-            ids = self.history + self.gen.prompt_ids(prompt)
-        shared = 0
-        for a, b in zip(ids[: self.cache.length], self.history, strict=False):
-            if a != b:
-                break
-            shared += 1
-        keep = min(shared, len(ids) - 1)  # at least one token computes logits
-        # On the engine thread: a block copy is a parallel torch op, and any other thread that runs
-        # one keeps an OpenMP pool that slows the engine from then on (threads.py). For the same
-        # reason TieredKV's background prefetch is not used here.
-        self.gen.engine.call(lambda: self._bring_back(keep))
-        return ids
-
-    def _bring_back(self, keep: int) -> None:
-        """Engine thread: keep the first `keep` cached tokens, promoting blocks that went down a tier."""
-        try:
-            self.gen.tiers.truncate(self.cache, keep)
-        except PoolExhausted:  # no room to bring the prefix back: the prompt is computed again
-            self.gen.tiers.reset(self.cache)
-
-    def keep(self, seq: Sequence) -> None:
-        """Engine thread, at the end of a turn: the cache stays, the history grows."""
-        self.history = seq.tokens
-        self.last_used = time.monotonic()
-        self.gen.tiers.touch(self.cache)  # LRU order for _reclaim
-
-
-    def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Result:
-        result = Result()
-        for ev in self.generate_stream(prompt, sampling):
-            result.add(ev)
-        return result
-
-    def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[Event]:
-        with self.lock:
-            text = ""
-            for ev in self.gen.generate_stream(prompt, sampling, session=self):
-                text += ev.text
-                yield ev
-            self.end_turn(text)
-
-    def end_turn(self, reply: str) -> None:
-        """Record the assistant's reply to a messages turn (raw turns live in `history`)."""
-        if self._pending_messages:
-            self.messages = [*self._pending_messages, {"role": "assistant", "content": reply}]
-        self.last_used = time.monotonic()
-
-    def close(self) -> None:
-        with self.lock:
-            self.gen.engine.call(lambda: self.gen.tiers.reset(self.cache))

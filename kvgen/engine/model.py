@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvgen.engine.attention import Step, attend
+from kvgen.engine.attention import TORCH_ATTENTION, KernelAttention, KernelStep, Step, TorchAttention
 from kvgen.engine.config import ModelConfig
 
 WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
@@ -226,8 +226,13 @@ class Model:
         return self
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, step: Step, fmt, store) -> torch.Tensor:
-        """Logits [B, vocab] (fp32) of each sequence's last new token; writes K/V to the store."""
+    def forward(self, input_ids: torch.Tensor, step: Step | KernelStep, fmt, store,
+                attention: TorchAttention | KernelAttention = TORCH_ATTENTION) -> torch.Tensor:
+        """Logits [B, vocab] (fp32) of each sequence's last new token; writes K/V to the store.
+
+        The one forward pass: prefill, decode and the CUDA-graph decode step are all this loop,
+        with `attention` (attention.py) storing K/V and attending. It reads the host only
+        through `step`'s fields, so with KernelAttention and a KernelStep it is capturable."""
         cfg = self.cfg
         T = input_ids.shape[0]
         rot = self.rot[step.positions].unsqueeze(1)
@@ -241,11 +246,11 @@ class Model:
             if fmt.qk_scale is not None:  # fp8 keys: channels equalised (formats.KVFormat)
                 qk = qk * fmt.qk_scale[i]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-            fmt.write(store, i, step.write_blocks, step.write_offsets, k, v, step.positions)
-            a = attend(q, fmt, store, i, step)
+            a = attention.write_and_attend(fmt, store, i, q, k, v, step)
             h += layer.o(a.reshape(T, self.q_size))
             x = layer.ln2(h)
             gu = layer.gate_up(x)
             h += layer.down(F.silu(gu[:, :half]) * gu[:, half:])
-        h = self.norm(h[step.logits_rows])
-        return self.lm_head(h).float()
+        if step.logits_rows is not None:
+            h = h[step.logits_rows]
+        return self.lm_head(self.norm(h)).float()

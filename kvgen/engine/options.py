@@ -1,24 +1,39 @@
-"""What the engine is told at start-up (the server fills these from the environment)."""
+"""What the engine is told at start-up. Each field is a setting: the server fills it from the
+environment variable of the same name upper-cased (kvgen/service/config.py lists them all)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+def setting(default, doc: str, shown: str | None = None):
+    """A dataclass field that is also a documented setting. doc: its one line of meaning;
+    shown: the default as the README writes it, where the raw value says little ("" = a temp dir)."""
+    meta = {"doc": doc} if shown is None else {"doc": doc, "shown": shown}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(slots=True)
 class EngineOptions:
-    weight_dtype: str = "fp32"
-    kv_dtype: str = "auto"  # plain storage in the activations' dtype (fp32 weights: fp32; others: bf16)
-    kv_cache_mb: float = 512.0
-    block_size: int = 16
-    token_budget: int = 512
-    max_running: int = 64
-    max_waiting: int = 256
-    session_ttl_s: float = 600
-    kv_warm_mb: float = 256.0  # host memory for idle sessions' blocks pushed out of the pool; beyond it, disk
-    kv_cold_dir: str = ""  # where cold blocks go (empty: a temp dir, removed on close)
-    threads: int = 0  # 0 = every core
-    attention_window: int = 0  # sliding-window attention (0: the model's own, if any)
-    attention_chunk: int = 0  # chunked attention: each query sees only its own chunk
-    device: str = "cpu"  # where load() puts the model and the KV pool: "cpu" or "cuda[:i]"
-    cuda_graphs: bool = True  # on CUDA, replay decode steps from CUDA graphs (False: the same step, eagerly)
+    weight_dtype: str = setting("fp32", "weight storage: fp32, bf16, int8 or int4")
+    kv_dtype: str = setting("auto", "KV cache storage: auto (the activations' dtype), fp32, fp16, bf16, fp8, q4, q3")
+    kv_cache_mb: float = setting(512.0, "memory for the KV block pool, MB")
+    block_size: int = setting(16, "tokens per KV block")
+    token_budget: int = setting(512, "tokens per engine step (decode tokens plus prefill chunks)")
+    max_running: int = setting(64, "sequences in the running batch")
+    max_waiting: int = setting(256, "queued requests before RESOURCE_EXHAUSTED")
+    session_ttl_s: float = setting(600.0, "idle sessions are closed after this many seconds")
+    max_sessions: int = setting(1024, "open sessions per server before CreateSession gets RESOURCE_EXHAUSTED")
+    max_sessions_per_key: int = setting(64, "open sessions per API key (0: no per-key limit)")
+    stream_buffer: int = setting(4096, "events a stream's reader may leave unread before its request is ended "
+                                       "with RESOURCE_EXHAUSTED (the engine goes on for everyone else)")
+    kv_warm_mb: float = setting(256.0, "host memory for idle sessions' blocks pushed out of the pool; beyond it, disk")
+    kv_warm_codec: str = setting("raw", "warm-tier codec for idle sessions' blocks moved out of the pool: raw = "
+                                        "exact bytes; fp8 / q4 = smaller, lossy, for plain fp32/fp16/bf16 pools")
+    kv_cold_dir: str = setting("", "where cold blocks go (empty: a temp dir, removed on close)", shown="a temp dir")
+    threads: int = setting(0, "torch threads (0: every core)", shown="all cores")
+    attention_window: int = setting(0, "sliding-window attention over the last N positions (0: the model's own)",
+                                    shown="model's own")
+    attention_chunk: int = setting(0, "chunked attention: each position sees only its own chunk of N (0: off)")
+    device: str = setting("cpu", "where the model and the KV pool live: cpu or cuda[:i]")
+    cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from CUDA graphs (false: the same step, eagerly)")

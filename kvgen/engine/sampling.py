@@ -21,22 +21,31 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> list[tuple[str, str]]:
-        """(field, problem) for every invalid value."""
+        """(field, problem) for every invalid value. Limits on sizes keep one request's stop
+        matching and logprobs from costing every other sequence in the batch."""
+        max_stop_strings, max_stop_chars, max_stop_ids = 16, 256, 64
+        inf = float("inf")
         bad = []
-        if not self.temperature >= 0:
-            bad.append(("temperature", "must be >= 0"))
+        if not 0 <= self.temperature < inf:  # NaN fails every comparison
+            bad.append(("temperature", "must be finite and >= 0"))
         if self.top_k < 0:
             bad.append(("top_k", "must be >= 0"))
         if not 0 < self.top_p <= 1:
             bad.append(("top_p", "must be in (0, 1]"))
-        if not self.repetition_penalty > 0:
-            bad.append(("repetition_penalty", "must be > 0"))
+        if not 0 < self.repetition_penalty < inf:
+            bad.append(("repetition_penalty", "must be finite and > 0"))
         if self.max_new_tokens < 1:
             bad.append(("max_new_tokens", "must be >= 1"))
         if not 0 <= self.logprobs <= 20:
             bad.append(("logprobs", "must be in [0, 20]"))
         if any(not s for s in self.stop_strings):
             bad.append(("stop_strings", "must not contain empty strings"))
+        if len(self.stop_strings) > max_stop_strings:
+            bad.append(("stop_strings", f"at most {max_stop_strings} strings; got {len(self.stop_strings)}"))
+        if any(len(s) > max_stop_chars for s in self.stop_strings):
+            bad.append(("stop_strings", f"each at most {max_stop_chars} characters"))
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > max_stop_ids:
+            bad.append(("stop_token_ids", f"at most {max_stop_ids} ids; got {len(self.stop_token_ids)}"))
         return bad
 
     @property

@@ -4,37 +4,46 @@ Every step takes all running sequences' pending tokens (one each while decoding)
 fills what is left of the token budget with prefill chunks, oldest first, so a long
 prompt never stalls the streams already running. When the pool runs dry the newest
 running sequence is preempted: its blocks go back and it is recomputed later.
+
+The scheduler owns the KV manager: admission reserves blocks (demoting idle sessions' blocks
+when the pool is short), a session's turn resumes its cached prefix when it is admitted, and
+`finish` releases a request's blocks or parks a session's. Only the engine thread calls it.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from kvgen.errors import Overloaded, PoolExhausted
+from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, token_budget: int = 512, max_running: int = 64, max_waiting: int = 256,
-                 reclaim=None):
+    def __init__(self, kv: KVManager, token_budget: int = 512, max_running: int = 64):
+        self.kv = kv
         self.token_budget = token_budget
         self.max_running = max_running
-        self.max_waiting = max_waiting
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0
-        self.reclaim = reclaim  # fn(blocks_needed) -> bool: free idle session caches
 
     def add(self, seq: Sequence) -> None:
-        if len(self.waiting) >= self.max_waiting:
-            raise Overloaded(f"{len(self.waiting)} requests already waiting (MAX_WAITING)")
         self.waiting.append(seq)
 
-    def drop(self, seq: Sequence) -> None:
+    def remove(self, seq: Sequence) -> None:
+        """Take seq out of the queues (it is finished or cancelled); `finish` lets go of its KV."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """seq is done: out of the queues, and its blocks released (a session's parked)."""
+        self.remove(seq)
+        if seq.keep_kv:
+            self.kv.park(seq.cache)
+        else:
+            self.kv.release(seq.cache)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.token_budget
@@ -44,7 +53,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.pending, budget)
-            if not self._reserve(seq, n):
+            if not self._reserve_running(seq, n):
                 if seq not in self.running:  # it was the newest and preempted itself
                     continue
             else:
@@ -54,28 +63,30 @@ class Scheduler:
         # then admit waiting sequences while there is budget and room
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
-            n = min(seq.pending, budget)
-            if not self._try_reserve(seq, n):
+            if not self._admit(seq, budget):
                 break
             self.waiting.popleft()
             self.running.append(seq)
+            n = min(seq.pending, budget)
             batch.append((seq, n))
             budget -= n
         return batch
 
-    def _try_reserve(self, seq: Sequence, n: int) -> bool:
-        need = seq.cache.blocks_needed(n)
-        if need > seq.cache.pool.available and not (self.reclaim and self.reclaim(need)):
-            return False
-        try:
-            seq.cache.reserve(n)
+    def _admit(self, seq: Sequence, budget: int) -> bool:
+        """Reserve the first chunk of a waiting sequence; a session's turn first takes back the
+        prefix it shares with the session's cache."""
+        if seq.resume_from is not None:
+            seq.cached_tokens = self.kv.resume(seq.cache, seq.resume_from)
+        if self.kv.reserve(seq.cache, min(seq.pending, budget)):
+            seq.resume_from = None
             return True
-        except PoolExhausted:
-            return False
+        if seq.resume_from is not None:  # waits with its prefix, which stays demotable meanwhile
+            self.kv.unresume(seq.cache)
+        return False
 
-    def _reserve(self, seq: Sequence, n: int) -> bool:
+    def _reserve_running(self, seq: Sequence, n: int) -> bool:
         """Reserve for a running sequence, preempting the newest others until it fits."""
-        while not self._try_reserve(seq, n):
+        while not self.kv.reserve(seq.cache, n):
             victim = self.running[-1]
             self.preempt(victim)
             if victim is seq:
@@ -84,7 +95,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        seq.cache.reset()
+        self.kv.preempt(seq.cache)
         seq.cached_tokens = 0
         seq.preemptions += 1
         self.preemptions += 1

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -32,7 +31,8 @@ class Usage:
 
 @dataclass(slots=True)
 class Event:
-    """What a request's consumer receives: a delta, and on the last one the ending."""
+    """What a request's consumer receives: a delta, and on the last one the ending. Events add
+    up: the sum of a request's events is its whole result (Request.result)."""
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -43,13 +43,27 @@ class Event:
     timings: dict | None = None
     error: Exception | None = None
 
+    def add(self, ev: Event) -> None:
+        self.text += ev.text
+        self.token_ids += ev.token_ids
+        self.logprobs += ev.logprobs
+        if ev.finish_reason is not None:
+            self.finish_reason, self.matched_stop = ev.finish_reason, ev.matched_stop
+            self.usage, self.timings, self.error = ev.usage, ev.timings, ev.error
+
 
 _ids = itertools.count(1)
 
 
 class Sequence:
+    """keep_kv: a session's turn, whose blocks stay for the next turn (parked, not released).
+    resume_from: for such a turn, how many of the session's cached tokens the prompt shares;
+    the scheduler keeps those when it admits the turn (None once admitted, or not a session).
+    on_release: called on the engine thread once the engine has let go of the KV blocks."""
+
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: TextTokenizer,
-                 eos_ids: list[int], emit, cache: PagedKVCache, request_id: str = ""):
+                 eos_ids: list[int], emit, cache: PagedKVCache, request_id: str = "", *,
+                 keep_kv: bool = False, resume_from: int | None = None, on_release=None):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -57,23 +71,24 @@ class Sequence:
         self.params = params
         self.emit = emit  # called from the engine thread with an Event
         self.cache = cache
-        self.cached_tokens = cache.length  # reused from a session
+        self.cached_tokens = 0  # prompt tokens whose KV a session had cached (set at admission)
+        self.keep_kv = keep_kv
+        self.resume_from = resume_from
+        self.on_release = on_release
         self.tokenizer = tokenizer
         if params.stop_token_ids is not None:
             self.stop_ids = set(params.stop_token_ids)
         else:
             self.stop_ids = set() if params.ignore_eos else set(eos_ids)
-        self.generator = None
+        self.rng = None  # sampling's own random stream: a seeded request repeats whatever else runs
         if not params.greedy:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            self.rng = torch.Generator()
+            self.rng.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.detok = Detokenizer(tokenizer, self.prompt_ids)
         self.held = ""  # text kept back because it may start a stop string
         self.max_stop = max((len(s) for s in params.stop_strings), default=0)
         self.cancelled = False
         self.finished = False
-        self.done = threading.Event()  # set once the engine has let go of its KV
-        self.session = None
         self.preemptions = 0
         self.arrival = time.perf_counter()
         self.admitted_at: float | None = None

@@ -2,8 +2,8 @@
 fp8 / q4 packing and CUDA-graph replay (see README.md in this folder).
 
 Importing this package never needs CuPy, Numba or a GPU; `available()` says whether the
-kernels can run here. The entry points live in kvgen.gpu.ops (CUDA tensors only) and
-kvgen.gpu.graphs.
+kernels can run here, and `supports()` whether they serve a KV format. The entry points live
+in kvgen.gpu.ops (CUDA tensors only) and kvgen.gpu.graphs.
 """
 
 from __future__ import annotations
@@ -30,4 +30,13 @@ def available() -> bool:
         return False
 
 
-__all__ = ["available"]
+def supports(format_name: str, head_dim: int, window: int = 0, chunk: int = 0) -> bool:
+    """Whether the decode kernels (ops.kv_append / ops.flash_decode) can serve a KV format at
+    this head_dim: they attend to every cached key, so sliding-window and chunked attention,
+    which need masks, are not theirs. Says nothing about this machine (see available())."""
+    from kvgen.gpu import ops  # torch and numpy only: no CuPy needed to ask
+
+    return format_name in ops.FORMATS and head_dim <= ops.MAX_HEAD_DIM and not (window or chunk)
+
+
+__all__ = ["available", "supports"]

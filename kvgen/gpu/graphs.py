@@ -48,6 +48,14 @@ import torch
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def buckets_for(max_rows: int, base: Sequence[int] = BUCKETS) -> tuple[int, ...]:
+    """Buckets to capture when a step has at most max_rows rows: the base sizes below
+    max_rows and the first one >= it (beyond the base, steps run eagerly and unpadded)."""
+    below = [b for b in base if b < max_rows]
+    above = [b for b in base if b >= max_rows][:1]
+    return tuple(below + above) or (base[0],)
+
+
 def _tensors(out: Any) -> list[torch.Tensor]:
     if isinstance(out, torch.Tensor):
         return [out]

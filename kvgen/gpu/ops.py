@@ -300,6 +300,7 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
 
 
 # ---- bulk pack / unpack (Numba) -------------------------------------------------------------
+# The warm tier's fp8 / q4 codecs on a CUDA pool (kvgen.engine.kv.tiers.WarmCodec) call these.
 
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # pack.F32 / F16 / BF16
 

@@ -1,9 +1,10 @@
 """Bulk fp8 / q4 pack and unpack of whole KV blocks, as Numba CUDA kernels.
 
-Used for prefill writes (many tokens at once) and tier promotion (a block moved between a
-quantised tier and a plain one). Numba, not CUDA C, so the same code also runs in Numba's
-CUDA simulator (NUMBA_ENABLE_CUDASIM=1) and CI checks it bit-exactly against the torch
-references in kvgen.engine.kv.quant without a GPU.
+Used by the warm tier's lossy codecs on CUDA pools (kvgen.engine.kv.tiers.WarmCodec, setting
+kv_warm_codec fp8 / q4): a demoted block is packed on the GPU and only the small payload
+crosses to host memory; promotion unpacks it on the GPU. Numba, not CUDA C, so the same code
+also runs in Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) and CI checks it bit-exactly
+against the torch references in kvgen.engine.kv.quant without a GPU.
 
 Bit-exactness rules the style of the scalar helpers below:
   * every float is float32: constants are written np.float32(...), so neither Numba on the

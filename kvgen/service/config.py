@@ -1,33 +1,88 @@
-"""Server settings, read from the environment (the Makefile passes them through)."""
+"""Server settings: one table (SETTINGS) built from the fields of Settings and EngineOptions, each
+with its environment name, type, default and one line of meaning. Settings.from_env is the only
+reader of the environment (the OpenTelemetry SDK reads its own OTEL_* variables)."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, fields
 
-from kvgen.engine.options import EngineOptions
+from kvgen.engine.options import EngineOptions, setting
+
+MiB = 1 << 20
 
 
 @dataclass(slots=True)
 class Settings:
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9464  # 0 = no /metrics endpoint
-    model: str = ""  # GGUF file or HF folder; empty = the embedded model
-    grace_s: float = 10.0  # how long in-flight streams may finish on SIGTERM
-    api_key: str = ""  # when set, calls need `authorization: Bearer <key>`
+    host: str = setting("0.0.0.0", "listen address")
+    port: int = setting(50051, "gRPC port")
+    metrics_port: int = setting(9464, "Prometheus /metrics port (0 = off)")
+    model: str = setting("", "a GGUF file or a Hugging Face folder (empty: the embedded model)",
+                         shown="embedded SmolLM2")
+    grace_s: float = setting(10.0, "how long in-flight streams may finish on SIGTERM")
+    api_key: str = setting("", "when set, calls need `authorization: Bearer <key>` metadata", shown="(none)")
+    tls_cert: str = setting("", "PEM certificate chain file; with TLS_KEY the server speaks TLS only", shown="(none)")
+    tls_key: str = setting("", "PEM private key file of TLS_CERT", shown="(none)")
+    tls_client_ca: str = setting("", "PEM CA file; when set, clients must present a certificate it signed (mTLS)",
+                                 shown="(none)")
+    max_receive_bytes: int = setting(4 * MiB, "largest request message; bigger ones get RESOURCE_EXHAUSTED")
+    max_send_bytes: int = setting(64 * MiB, "largest response message (a BatchGenerate reply with logprobs is big)")
+    keepalive_time_s: float = setting(60.0, "ping a connection after this long without activity")
+    keepalive_timeout_s: float = setting(20.0, "close a connection whose ping is unanswered this long")
+    keepalive_min_ping_s: float = setting(10.0, "the shortest interval at which clients may send keepalive pings")
+    max_connection_age_s: float = setting(0.0, "close connections after this long, so a mesh rebalances them "
+                                                "(0: never)")
+    max_connection_age_grace_s: float = setting(30.0, "how long calls on an aged connection may still finish")
+    max_prompt_bytes: int = setting(256 * 1024, "largest prompt (or all messages together) in bytes, checked before "
+                                                "tokenizing")
+    max_batch_entries: int = setting(64, "most requests in one BatchGenerate")
+    liveness_stall_s: float = setting(30.0, "liveness turns NOT_SERVING when the engine makes no progress on pending "
+                                            "work for this long")
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     @classmethod
     def from_env(cls, env=os.environ) -> Settings:
         s = cls()
-        for target, names in ((s, [f.name for f in fields(cls) if f.name != "engine"]),
-                              (s.engine, [f.name for f in fields(EngineOptions)])):
-            for name in names:
-                raw = env.get(name.upper(), "")
-                if raw != "":
-                    setattr(target, name, _parse(raw, type(getattr(target, name))))
+        for item in SETTINGS:
+            raw = env.get(item.env, "")
+            if raw != "":
+                target = s.engine if item.owner is EngineOptions else s
+                try:
+                    setattr(target, item.name, _parse(raw, item.kind))
+                except ValueError as e:
+                    raise ValueError(f"{item.env}={raw!r}: {e}") from None
         return s
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    env: str  # the environment variable
+    name: str  # the field on owner
+    owner: type  # Settings or EngineOptions
+    kind: type  # str, int, float or bool
+    default: object
+    doc: str
+    shown: str  # the default as the README's table writes it
+
+
+def _table(cls: type) -> list[Setting]:
+    out = []
+    for f in fields(cls):
+        if f.name == "engine":
+            continue
+        if "doc" not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} is not declared with setting(default, doc)")
+        out.append(Setting(f.name.upper(), f.name, cls, type(f.default), f.default, f.metadata["doc"],
+                           f.metadata.get("shown", _show(f.default))))
+    return out
+
+
+def _show(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def _parse(raw: str, kind: type):
@@ -36,3 +91,6 @@ def _parse(raw: str, kind: type):
             raise ValueError(f"expected a boolean, got {raw!r}")
         return raw.lower() in ("1", "true", "yes", "on")
     return kind(raw)
+
+
+SETTINGS: list[Setting] = _table(Settings) + _table(EngineOptions)

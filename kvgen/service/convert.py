@@ -1,18 +1,27 @@
-"""kvgen.v1 messages <-> engine values."""
+"""kvgen.v1 messages <-> engine values, and the cheap checks a request passes before any work."""
 
 from __future__ import annotations
 
-from kvgen.engine.generator import Result
-from kvgen.errors import InvalidRequest
+import re
+
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.sequence import Event
 from kvgen.engine.tokenizer import TextTokenizer
+from kvgen.errors import InvalidRequest
+from kvgen.service.config import Settings
+from kvgen.service.errors import clip
 from kvgen.v1 import generate_pb2 as pb
 
 INPUTS = ("prompt", "messages", "prompt_token_ids")
+MAX_ID_CHARS = 128  # session_id and request_id
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]+")
+_DEFAULTS = Settings()
 
 
-def prompt_of(req: pb.GenerateRequest):
+def prompt_of(req: pb.GenerateRequest, settings: Settings | None = None):
+    """The request's one input, as the engine takes it. Its size is checked first, so that an
+    oversized prompt is refused before it costs any tokenizing."""
+    limit = (settings or _DEFAULTS).max_prompt_bytes
     given = [name for name in INPUTS if (getattr(req, name) if name == "prompt" else len(getattr(req, name)))]
     if not given:
         raise InvalidRequest([("prompt", "one of prompt, messages, prompt_token_ids is required")])
@@ -20,13 +29,66 @@ def prompt_of(req: pb.GenerateRequest):
         raise InvalidRequest([(name, f"only one of prompt, messages, prompt_token_ids may be set; got "
                                f"{', '.join(given)}") for name in given[1:]])
     if given[0] == "prompt":
+        size = _utf8_size(req.prompt, limit)
+        if size > limit:
+            raise InvalidRequest([("prompt", f"is {size} bytes; at most {limit} are accepted")])
         return req.prompt
     if given[0] == "messages":
+        size = sum(m.ByteSize() for m in req.messages)  # as sent: roles, contents and their framing
+        if size > limit:
+            raise InvalidRequest([("messages", f"are {size} bytes together; at most {limit} are accepted")])
         bad = [(f"messages[{i}].role", "must not be empty") for i, m in enumerate(req.messages) if not m.role]
         if bad:
-            raise InvalidRequest(bad)
+            raise InvalidRequest(bad[:8])
         return [{"role": m.role, "content": m.content} for m in req.messages]
     return list(req.prompt_token_ids)
+
+
+def _utf8_size(text: str, limit: int) -> int:
+    """len(text.encode()) without encoding a text that is over the limit by its length alone."""
+    return len(text) if len(text) > limit else len(text.encode())
+
+
+def check_request(req: pb.GenerateRequest, settings: Settings | None = None) -> None:
+    """Every check of a GenerateRequest that needs no model: exactly one input within the size
+    limit, well-formed ids, sampling values in range. Raises InvalidRequest with them all."""
+    bad = []
+    try:
+        prompt_of(req, settings)
+    except InvalidRequest as e:
+        bad += e.violations
+    if req.session_id:
+        bad += session_id_violations(req.session_id)
+    if len(req.request_id) > MAX_ID_CHARS:
+        bad.append(("request_id", f"is {len(req.request_id)} characters; at most {MAX_ID_CHARS}"))
+    bad += [(f"sampling.{f}", d) for f, d in sampling_of(req).validate()]
+    if bad:
+        raise InvalidRequest(bad)
+
+
+def check_batch(req: pb.BatchGenerateRequest, settings: Settings | None = None) -> None:
+    """A BatchGenerate within the entry limit (each entry is checked on its own, and fails alone)."""
+    limit = (settings or _DEFAULTS).max_batch_entries
+    if len(req.requests) > limit:
+        raise InvalidRequest([("requests", f"{len(req.requests)} entries; at most {limit} are accepted")])
+
+
+def session_id_violations(session_id: str, field: str = "session_id") -> list[tuple[str, str]]:
+    """(field, problem) for a session id that no session can have: empty, too long, odd characters."""
+    if not session_id:
+        return [(field, "is required")]
+    if len(session_id) > MAX_ID_CHARS:
+        return [(field, f"is {len(session_id)} characters; at most {MAX_ID_CHARS}")]
+    if not _SESSION_ID.fullmatch(session_id):
+        return [(field, f"{clip(session_id)!r} has characters outside [A-Za-z0-9._:-]")]
+    return []
+
+
+def check_session_id(session_id: str) -> None:
+    """Raises InvalidRequest (a BadRequest on the wire) for a malformed session id."""
+    bad = session_id_violations(session_id)
+    if bad:
+        raise InvalidRequest(bad)
 
 
 def sampling_of(req: pb.GenerateRequest) -> SamplingParams:
@@ -65,7 +127,7 @@ def stream_message(ev: Event, request_id: str, tok: TextTokenizer) -> pb.Generat
         usage=_usage(ev.usage), timings=_timings(ev.timings))
 
 
-def response(r: Result, request_id: str, tok: TextTokenizer) -> pb.GenerateResponse:
+def response(r: Event, request_id: str, tok: TextTokenizer) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         request_id=request_id, text=r.text, token_ids=r.token_ids, finish_reason=int(r.finish_reason or 0),
         matched_stop=r.matched_stop, usage=_usage(r.usage), logprobs=_logprobs(r.logprobs, tok),

@@ -8,12 +8,34 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 
 from kvgen.errors import InvalidRequest, NotFound, Overloaded, Unavailable
 
+# A status travels in trailing metadata, which clients cap (16 KiB by default): an error that
+# echoes a client's input must stay far below that, whatever the input was.
+MAX_MESSAGE = 1024
+MAX_DESCRIPTION = 256
+
+
+def clip(text: str, limit: int = 64) -> str:
+    """text's first `limit` characters and how many more there were: for echoing a client's input
+    (a session id, a stop string) into an error message."""
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...({len(text) - limit} more)"
+
 
 def to_status(e: Exception) -> status_pb2.Status:
-    """A google.rpc.Status for any exception a request can raise."""
+    """A google.rpc.Status for any exception a request can raise; messages clipped."""
+    status = _to_status(e)
+    status.message = clip(status.message, MAX_MESSAGE)
+    return status
+
+
+def _to_status(e: Exception) -> status_pb2.Status:
     if isinstance(e, InvalidRequest):
         bad = error_details_pb2.BadRequest(field_violations=[
-            error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in e.violations])
+            error_details_pb2.BadRequest.FieldViolation(field=clip(f, MAX_DESCRIPTION),
+                                                        description=clip(d, MAX_DESCRIPTION))
+            for f, d in e.violations[:32]])
         return _status(code_pb2.INVALID_ARGUMENT, str(e), bad)
     if isinstance(e, Overloaded):
         seconds = max(e.retry_after, 0.001)

@@ -13,6 +13,7 @@ import time
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from kvgen.engine.kv.tiers import Tier
 from kvgen.engine.sequence import FinishReason, Sequence
 
 # gen_ai.response.finish_reasons values, and the finish_reason label
@@ -74,11 +75,15 @@ class Metrics:
         Gauge("kvgen_requests_waiting", "Requests waiting for admission",
               registry=r).set_function(lambda: len(sched.waiting))
         Gauge("kvgen_sessions_open", "Open sessions", registry=r).set_function(lambda: len(gen.sessions))
-        stage = pool.store.get("stage")  # quantized KV formats: newest blocks held exact (kv/stage.py)
         Gauge("kvgen_kv_exact_blocks_used", "Newest blocks of sequences held exact (quantized KV formats)",
-              registry=r).set_function(lambda: len(stage.recent.held) if stage else 0)
+              registry=r).set_function(lambda: pool.exact_blocks_used)
         Gauge("kvgen_kv_exact_blocks_total", "Slots for exact newest blocks (0: plain KV format)",
-              registry=r).set_function(lambda: len(stage.recent.held) + len(stage.recent.free) if stage else 0)
+              registry=r).set_function(lambda: pool.exact_blocks_total)
+        kv = sched.kv
+        tier_bytes = Gauge("kvgen_kv_tier_bytes", "Bytes of idle sessions' KV blocks moved out of the pool, by tier",
+                           ["tier"], registry=r)
+        tier_bytes.labels("warm").set_function(lambda: kv.tier_bytes(Tier.WARM))
+        tier_bytes.labels("cold").set_function(lambda: kv.tier_bytes(Tier.COLD))
         self._sched = sched
         self._model = {h: h.labels(gen.cfg.name) for h in (self.ttft, self.tpot, self.duration)}
 

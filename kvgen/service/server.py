@@ -12,7 +12,11 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from kvgen.engine.generator import Generator
+from kvgen.service import transport
+from kvgen.service.auth import AuthInterceptor
 from kvgen.service.config import Settings
+from kvgen.service.gate import GateInterceptor
+from kvgen.service.liveness import LIVENESS, Watchdog
 from kvgen.service.metrics import Metrics
 from kvgen.service.servicer import GeneratorServicer
 from kvgen.service.tracing import Tracing
@@ -21,36 +25,6 @@ from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvgen.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-
-
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """With API_KEY set, every call but health and reflection needs `authorization: Bearer <key>`."""
-
-    def __init__(self, key: str):
-        self.expected = f"Bearer {key}"
-
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith(_OPEN_METHODS):
-            return await continuation(details)
-        md = dict(details.invocation_metadata or ())
-        if md.get("authorization") == self.expected:
-            return await continuation(details)
-        handler = await continuation(details)
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization bearer token")
-
-        async def deny_stream(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong authorization bearer token")
-            yield  # pragma: no cover
-
-        if handler is None:
-            return None
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny_stream, handler.request_deserializer,
-                                                        handler.response_serializer)
-        return grpc.unary_unary_rpc_method_handler(deny, handler.request_deserializer, handler.response_serializer)
 
 
 def listen(engine, hook: str, fn) -> None:
@@ -71,6 +45,7 @@ class Server:
     def __init__(self, settings: Settings, gen: Generator | None = None, tracing: Tracing | None = None):
         """tracing: None reads OTEL_* from the environment (usually: off)."""
         self.settings = settings
+        creds = transport.credentials(settings)  # first: a half-configured TLS fails before anything starts
         self._gen = gen  # tests hand in a ready engine
         self.tracing = tracing if tracing is not None else Tracing.from_env()
         self.metrics = Metrics() if settings.metrics_port else None
@@ -80,25 +55,32 @@ class Server:
             interceptors.append(self.tracing.interceptor())
         if self.metrics:
             interceptors.append(self.metrics.interceptor())
-        if settings.api_key:
+        if settings.api_key:  # before the gate: a caller without the key gets nothing parsed
             interceptors.append(AuthInterceptor(settings.api_key))
-        self.grpc = grpc.aio.server(interceptors=interceptors)
+        interceptors.append(GateInterceptor(settings))  # innermost: it wraps the real deserializers
+        self.grpc = grpc.aio.server(interceptors=interceptors, options=transport.server_options(settings))
         self.servicer = GeneratorServicer()
         self.servicer.tracing = self.tracing
+        self.servicer.settings = settings  # limits for convert.prompt_of / check_request / check_batch
         pb_grpc.add_GeneratorServicer_to_server(self.servicer, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        self.port = self.grpc.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = f"{settings.host}:{settings.port}"
+        self.port = self.grpc.add_secure_port(address, creds) if creds else self.grpc.add_insecure_port(address)
+        self.tls = creds is not None
+        self._watchdog: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
     async def _set_health(self, status) -> None:
+        """Readiness: "" and the service's name. Liveness (LIVENESS) is the watchdog's."""
         for name in ("", SERVICE):
             await self.health.set(name, status)
 
     async def start(self) -> None:
         await self.grpc.start()
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)  # loading is alive
         log.info("listening on port %d; loading the model", self.port)
         gen = self._gen or await asyncio.to_thread(Generator.load, self.settings.model or None, self.settings.engine)
         self.servicer.gen = gen
@@ -108,12 +90,16 @@ class Server:
             listen(gen.engine, "on_release", self.metrics.observe)
             self.metrics_server = self.metrics.serve(self.settings.metrics_port, self.settings.host)
         if self.tracing:
+            self.tracing.bind(gen)
             listen(gen.engine, "on_submit", self.tracing.on_submit)
+            listen(gen.engine, "on_step", self.tracing.on_step)
             listen(gen.engine, "on_release", self.tracing.on_release)
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_sessions())
-        log.info("serving %s on port %d (metrics on %s, tracing %s)", gen.cfg.name, self.port,
-                 self.settings.metrics_port, "on" if self.tracing else "off")
+        watchdog = Watchdog(self.health, gen.engine.stalled_s, self.settings.liveness_stall_s)
+        self._watchdog = asyncio.create_task(watchdog.run())
+        log.info("serving %s on port %d (%s; metrics on %s, tracing %s)", gen.cfg.name, self.port,
+                 "TLS" if self.tls else "plaintext", self.settings.metrics_port, "on" if self.tracing else "off")
 
     async def _reap_sessions(self) -> None:
         while True:
@@ -128,6 +114,8 @@ class Server:
         await self.grpc.stop(self.settings.grace_s)
         if getattr(self, "_reaper", None):
             self._reaper.cancel()
+        if self._watchdog:  # liveness stays SERVING through the drain; the watchdog ends with it
+            self._watchdog.cancel()
         if self.servicer.gen:
             await asyncio.to_thread(self.servicer.gen.close)
         if self.metrics_server:

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import nullcontext
+from contextlib import aclosing, nullcontext
 
-import grpc
 from opentelemetry import trace
 
-from kvgen.engine.generator import Generator, InferenceSession, Result
+from kvgen.engine.generator import Generator
 from kvgen.engine.sequence import Event
+from kvgen.engine.session import Session
+from kvgen.errors import InvalidRequest, NotFound, Overloaded, Unavailable
 from kvgen.service import convert, tracing
-from kvgen.errors import NotFound, Unavailable
-from kvgen.service.errors import abort, to_status
+from kvgen.service.errors import abort, clip, to_status
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
@@ -23,7 +24,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def __init__(self):
         self.gen: Generator | None = None  # set once the model is loaded
         self.draining = False
-        self.session_locks: dict[str, asyncio.Lock] = {}
+        self.owners: dict[str, str] = {}  # session id -> the API key that opened it ("" without keys)
+        self.settings = None  # the server's Settings: request limits (None: the defaults)
         self.tracing: tracing.Tracing | None = None  # set by the server when tracing is on
 
     def _ready(self) -> Generator:
@@ -38,16 +40,19 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         """Run one request through the engine, yielding its events; leaving early cancels it.
         The current span (the RPC's, or a batch entry's) gets the GenAI attributes."""
         span = trace.get_current_span()
+        key = _caller_key(context)
         if not span.is_recording():
-            async for ev in self._request_events(req, request_id):
-                yield ev
+            async with aclosing(self._request_events(req, request_id, key)) as events:
+                async for ev in events:
+                    yield ev
             return
         model = self.gen.cfg.name if self.gen else ""
         try:
-            async for ev in self._request_events(req, request_id, span, stream):
-                if ev.finish_reason is not None:
-                    tracing.end_request(span, ev, model)
-                yield ev
+            async with aclosing(self._request_events(req, request_id, key, span, stream)) as events:
+                async for ev in events:
+                    if ev.finish_reason is not None:
+                        tracing.end_request(span, ev, model)
+                    yield ev
         except asyncio.CancelledError as e:
             left = context.time_remaining() if context else None
             late = left is not None and left <= 0
@@ -57,53 +62,29 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             tracing.record_error(span, e)
             raise
 
-    async def _request_events(self, req, request_id: str, span=None, stream=False) -> AsyncIterator[Event]:
+    async def _request_events(self, req, request_id: str, key: str, span=None, stream=False
+                              ) -> AsyncIterator[Event]:
         gen = self._ready()
         params = convert.sampling_of(req)
         if span is not None:
             tracing.start_request(span, req, params, gen.cfg.name, request_id, stream, req.session_id)
-        prompt = convert.prompt_of(req)
-        session = None
+        convert.check_request(req, self.settings)  # the gate did it for a whole call; not for a batch entry
+        prompt = convert.prompt_of(req, self.settings)
         if req.session_id:
-            session = gen.get_session(req.session_id)
-            if session is None:
-                raise NotFound(f"no session {req.session_id!r} (closed or expired)")
-        lock = self.session_locks.setdefault(req.session_id, asyncio.Lock()) if session else None
-        if lock:
-            await lock.acquire()
-        try:
-            async for ev in self._run(gen, prompt, params, request_id, session):
+            session = self._session(gen, req.session_id, key)
+            request = session.request(prompt, params, request_id)
+        else:
+            request = gen.request(prompt, params, request_id)
+        async with aclosing(gen.events(request)) as events:  # leaving early cancels the request
+            async for ev in events:
                 yield ev
-        finally:
-            if lock:
-                lock.release()
 
-    async def _run(self, gen: Generator, prompt, params, request_id: str, session: InferenceSession | None):
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue[Event] = asyncio.Queue()
-        if session:
-            session.lock.acquire()  # only contended by eviction, which never waits
-        seq = None
-        text = ""
-        try:
-            ids = session.prepare(prompt) if session else gen.prompt_ids(prompt)
-            seq = gen.start(ids, params, lambda ev: loop.call_soon_threadsafe(q.put_nowait, ev), request_id, session)
-            while True:
-                ev = await q.get()
-                text += ev.text
-                if ev.error is not None:
-                    raise ev.error
-                yield ev
-                if ev.finish_reason is not None:
-                    break
-        finally:
-            if seq is not None and not seq.finished:
-                gen.engine.cancel(seq)
-            if seq is not None and session is not None:
-                await asyncio.shield(loop.run_in_executor(None, seq.done.wait))
-            if session:
-                session.end_turn(text)
-                session.lock.release()
+    def _session(self, gen: Generator, session_id: str, key: str) -> Session:
+        """The caller's open session (a session opened with another API key is not found)."""
+        session = gen.get_session(session_id)
+        if session is None or self.owners.get(session_id, "") != key:
+            raise NotFound(f"no session {clip(session_id)!r} (closed or expired)")
+        return session
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -113,18 +94,20 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             await _abort(context, e)
         return convert.response(result, request_id, self.gen.tokenizer)
 
-    async def _collect(self, request, request_id, batched: bool = False, context=None) -> Result:
-        result = Result()
+    async def _collect(self, request, request_id, batched: bool = False, context=None) -> Event:
+        result = Event()
         with self.tracing.request_span(batched) if self.tracing else _NO_SPAN:
-            async for ev in self._events(request, request_id, context=context):
-                result.add(ev)
+            async with aclosing(self._events(request, request_id, context=context)) as events:
+                async for ev in events:
+                    result.add(ev)
         return result
 
     async def GenerateStream(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            async for ev in self._events(request, request_id, stream=True, context=context):
-                yield convert.stream_message(ev, request_id, self.gen.tokenizer)
+            async with aclosing(self._events(request, request_id, stream=True, context=context)) as events:
+                async for ev in events:
+                    yield convert.stream_message(ev, request_id, self.gen.tokenizer)
         except Exception as e:
             await _abort(context, e)
 
@@ -135,7 +118,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             await _abort(context, e)
         ids = [r.request_id or uuid.uuid4().hex for r in request.requests]
         # Every request is submitted before any is awaited, so the scheduler batches them.
-        outcomes = await asyncio.gather(*(self._collect(r, i, batched=True)
+        outcomes = await asyncio.gather(*(self._collect(r, i, batched=True, context=context)
                                           for r, i in zip(request.requests, ids, strict=True)),
                                         return_exceptions=True)
         results = []
@@ -165,31 +148,62 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     async def CreateSession(self, request, context):
         try:
             gen = self._ready()
+            key = _caller_key(context)
+            per_key = gen.options.max_sessions_per_key
+            if key and per_key and sum(k == key for k in self.owners.values()) >= per_key:
+                raise Overloaded(f"{per_key} sessions already open with this API key (MAX_SESSIONS_PER_KEY)",
+                                 retry_after=5.0)
+            s = gen.new_session()
         except Exception as e:
             await _abort(context, e)
-        s = gen.new_session()
+        self.owners[s.session_id] = key
         return pb.CreateSessionResponse(session_id=s.session_id, ttl_seconds=int(gen.options.session_ttl_s))
 
     async def CloseSession(self, request, context):
-        gen = self.gen
-        if gen is None or not request.session_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "session_id is required")
-        lock = self.session_locks.pop(request.session_id, None)
-        if lock:
-            async with lock:
-                found = await asyncio.to_thread(gen.close_session, request.session_id)
-        else:
-            found = await asyncio.to_thread(gen.close_session, request.session_id)
-        if not found:
-            await _abort(context, NotFound(f"no session {request.session_id!r}"))
+        try:
+            gen = self._ready_or_draining()
+            bad = convert.session_id_violations(request.session_id)
+            if bad:
+                raise InvalidRequest(bad)
+            self._session(gen, request.session_id, _caller_key(context))
+            self.owners.pop(request.session_id, None)
+            loop = asyncio.get_running_loop()
+            freed = loop.create_future()
+            if not gen.close_session(request.session_id,
+                                     on_freed=lambda: loop.call_soon_threadsafe(_settle, freed)):
+                raise NotFound(f"no session {clip(request.session_id)!r}")  # closed meanwhile
+            await freed  # the reply says the blocks are back in the pool
+        except Exception as e:
+            await _abort(context, e)
         return pb.CloseSessionResponse()
+
+    def _ready_or_draining(self) -> Generator:
+        if self.gen is None:
+            raise Unavailable("the model is still loading")
+        return self.gen
 
     def expire_sessions(self) -> None:
         if self.gen:
             self.gen.expire_sessions()
             live = set(self.gen.sessions)
-            for sid in [s for s in self.session_locks if s not in live]:
-                self.session_locks.pop(sid, None)
+            for sid in [s for s in self.owners if s not in live]:
+                self.owners.pop(sid, None)
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _caller_key(context) -> str:
+    """Who is calling, for session ownership and limits: the bearer token the auth interceptor
+    let through ("" without API keys), as a digest so no key is kept in memory."""
+    if context is None:
+        return ""
+    for k, v in context.invocation_metadata() or ():
+        if k == "authorization" and v.startswith("Bearer "):
+            return hashlib.sha256(v[7:].encode()).hexdigest()
+    return ""
 
 
 _NO_SPAN = nullcontext()

@@ -42,9 +42,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv_record import KVInfo, KVRecord, KVRecorder
 from kvgen.engine.sequence import FinishReason, Sequence
-from kvgen.engine.trace import KVInfo, KVRecord, release_sequence, trace_sequence
 from kvgen.service.errors import to_status
 from kvgen.service.metrics import FINISH_REASONS
 
@@ -104,7 +103,7 @@ class Tracing:
         self.provider = provider
         self.owned = owned  # built from the environment: shut it down with the server
         self.tracer = provider.get_tracer("kvgen", _version())
-        self._info: dict[int, KVInfo] = {}
+        self.recorder: KVRecorder | None = None  # set by bind()
 
     @classmethod
     def from_env(cls) -> Tracing | None:
@@ -128,22 +127,25 @@ class Tracing:
 
     # engine hooks
 
+    def bind(self, gen) -> None:
+        """Listen to gen's KV manager and engine steps (the server calls it once the model is loaded)."""
+        self.recorder = KVRecorder(KVInfo.of(gen.pool.fmt))
+        gen.scheduler.kv.listen(self.recorder.on_event)
+
     def on_submit(self, seq: Sequence) -> None:
         """Caller's thread, before the engine sees seq: trace its KV if the caller's span is sampled."""
-        if trace.get_current_span().is_recording():
-            trace_sequence(seq, self._kv_info(seq.cache.pool), otel_context.get_current())
+        if self.recorder is not None and trace.get_current_span().is_recording():
+            self.recorder.attach(seq, otel_context.get_current())
+
+    def on_step(self, batch, seconds: float) -> None:
+        if self.recorder is not None:
+            self.recorder.on_step(batch, seconds)
 
     def on_release(self, seq: Sequence) -> None:
         """Engine thread, seq's KV let go: its phase spans and KV events, parented to the request span."""
-        record = release_sequence(seq)
+        record = self.recorder.detach(seq) if self.recorder is not None else None
         if record is not None:
             self._export(seq, record)
-
-    def _kv_info(self, pool: BlockPool) -> KVInfo:
-        info = self._info.get(id(pool))
-        if info is None:
-            info = self._info[id(pool)] = KVInfo.of(pool.fmt)
-        return info
 
     def _export(self, seq: Sequence, rec: KVRecord) -> None:
         offset = time.time_ns() - time.perf_counter_ns()

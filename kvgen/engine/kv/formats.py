@@ -29,8 +29,9 @@ q3   q      [NB, L, 2, BS, KVH, HD*3//8] uint8; vscale / kscale as q4 with scale
      and codes the nearest of 8 centroids; codebook [L, 2, 8] float32 lives on the format
      object, not in the store.
 
-Recent blocks and first tokens exact: quantized formats given `recent_slots` keep each
-sequence's newest block and first token exact in a stage (stage.py, store["stage"]).
+Recent blocks and first tokens exact: make_format(..., recent_slots=N) wraps a quantized
+format in stage.ExactTail, which keeps each sequence's newest block and first token exact in
+tensors of its own and presents this same interface.
 """
 
 from __future__ import annotations
@@ -38,96 +39,78 @@ from __future__ import annotations
 import torch
 
 from kvgen.engine.kv import quant
-from kvgen.engine.kv.stage import Stage
+from kvgen.engine.kv.stage import ExactTail
 
 
 class KVFormat:
-    """Key channel equalisation (fp8): post-RoPE keys have a few channels far larger than the
+    """The interface every KV storage format presents (and stage.ExactTail too):
+    allocate / write / read a store, release / take_block / put_block whole blocks, and sizes.
+
+    Key channel equalisation (fp8): post-RoPE keys have a few channels far larger than the
     rest, and one scale per block and head stretches to fit them, which crushes the small
     channels. Scores only need q.k, and q.k = (q * s).(k / s) for any per-channel s, so the
     model hands these formats keys divided by s and queries multiplied by it (`qk_scale`,
-    [layers, q heads + kv heads, head_dim], set by calibrate.calibrate_format from the model's
-    own keys): the cache holds keys whose channels are all of one size, and attention reads
-    them back unchanged. (q4 / q3 keys have a scale per channel already.)
-
-    Subclasses implement _allocate / _write / _read on the quantized store; write / read add
-    the stage of recent blocks around them.
+    [layers, q heads + kv heads, head_dim], fitted by calibrate.calibrate_format from the
+    model's own keys): the cache holds keys whose channels are all of one size, and attention
+    reads them back unchanged. (q4 / q3 keys have a scale per channel already.)
     """
 
     name: str = ""
     equalize_keys = False  # calibrate_format fits qk_scale for this format
+    recent_slots = 0  # sequences whose newest block is kept exact (stage.ExactTail sets it)
 
     def __init__(self, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 compute_dtype: torch.dtype = torch.float32, recent_slots: int = 0):
+                 compute_dtype: torch.dtype = torch.float32):
         self.num_layers = num_layers
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.compute_dtype = compute_dtype
-        self.recent_slots = recent_slots  # sequences whose filling block stays exact (0: none)
         self.qk_scale: torch.Tensor | None = None
 
-    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> dict:
-        store = self._allocate(num_blocks, device)
-        if self.recent_slots:
-            store["stage"] = Stage(self, self.recent_slots, num_blocks, device)
-        return store
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """A store for num_blocks blocks: every tensor leads with [num_blocks, num_layers]."""
+        raise NotImplementedError
 
     def write(self, store: dict, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Store k, v [N, kv_heads, head_dim] at (blocks[i], offsets[i]) for one layer;
-        positions [N] (optional) says which row is a sequence's first token (kept exact)."""
-        stage = store.get("stage")
-        if stage is None:
-            self._write(store, layer, blocks, offsets, k, v)
-        else:
-            stage.write(store, layer, blocks, offsets, k, v, positions)
+        positions [N] (optional) says which row is a sequence's first token (ExactTail keeps
+        it exact; the formats themselves do not need it)."""
+        raise NotImplementedError
 
     def read(self, store: dict, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given blocks for one layer: [M, block_size, kv_heads, head_dim] each."""
-        k, v = self._read(store, layer, block_ids)
-        stage = store.get("stage")
-        return (k, v) if stage is None else stage.read(layer, block_ids, k, v)
+        raise NotImplementedError
 
     def release(self, store: dict, blocks: list[int]) -> None:
-        """The pool freed these blocks: their stage slots are free again."""
-        stage = store.get("stage")
-        if stage is not None:
-            stage.release(blocks)
+        """The pool freed these blocks (a format that keeps per-block state forgets it)."""
 
     def take_block(self, store: dict, block: int, fill: int) -> dict[str, torch.Tensor]:
         """Everything the store holds for one block (copies), for tiers to park elsewhere."""
-        out = {name: t[block].clone() for name, t in store.items() if name != "stage"}
-        stage = store.get("stage")
-        if stage is not None:
-            out.update(stage.take(block, fill))
-        return out
+        return {name: t[block].clone() for name, t in store.items()}
 
     def put_block(self, store: dict, block: int, data: dict[str, torch.Tensor], fill: int) -> None:
         """Inverse of take_block into a freshly allocated block."""
-        for name, t in data.items():
-            if name in store and name != "stage":
-                store[name][block] = t.to(store[name].device)
-        stage = store.get("stage")
-        if stage is not None:
-            stage.put(store, block, data, fill)
-
-    def _allocate(self, num_blocks: int, device) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
-
-    def _write(self, store, layer, blocks, offsets, k, v) -> None:
-        raise NotImplementedError
-
-    def _read(self, store, layer, block_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        for name, t in store.items():
+            t[block] = data[name].to(t.device)
 
     def bytes_per_block(self) -> int:
-        store = self._allocate(1, "meta")
+        store = self.allocate(1, "meta")
         return sum(t.numel() * t.element_size() for t in store.values())
 
     def stage_bytes(self) -> int:
-        """Memory of the stage (recent blocks and first tokens, outside the blocks)."""
-        return Stage.nbytes(self, self.recent_slots)
+        """Memory held outside the blocks (ExactTail's exact rows); none here."""
+        return 0
+
+    @property
+    def exact_blocks_used(self) -> int:
+        """Blocks held exact outside the quantized store (ExactTail); none here."""
+        return 0
+
+    @property
+    def exact_blocks_total(self) -> int:
+        return 0
 
     def bytes_per_token_per_layer(self) -> float:
         return self.bytes_per_block() / (self.block_size * self.num_layers)
@@ -141,7 +124,7 @@ class PlainFormat(KVFormat):
         self.dtype = dtype
         self.name = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]
 
-    def _allocate(self, num_blocks, device):
+    def allocate(self, num_blocks, device="cpu"):
         shape = (num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
         return {"kv": torch.zeros(shape, dtype=self.dtype, device=device)}
 
@@ -154,12 +137,12 @@ class PlainFormat(KVFormat):
             self._views_of = kv
         return self._views
 
-    def _write(self, store, layer, blocks, offsets, k, v):
+    def write(self, store, layer, blocks, offsets, k, v, positions=None):
         kl, vl = self._layer_views(store)[layer]
         kl.index_put_((blocks, offsets), k if k.dtype == self.dtype else k.to(self.dtype))
         vl.index_put_((blocks, offsets), v if v.dtype == self.dtype else v.to(self.dtype))
 
-    def _read(self, store, layer, block_ids):
+    def read(self, store, layer, block_ids):
         kl, vl = self._layer_views(store)[layer]
         k, v = kl.index_select(0, block_ids), vl.index_select(0, block_ids)  # 3x faster than kl[ids]
         if self.dtype != self.compute_dtype:
@@ -177,7 +160,7 @@ class Fp8Format(KVFormat):
     name = "fp8"
     equalize_keys = True
 
-    def _allocate(self, num_blocks, device):
+    def allocate(self, num_blocks, device="cpu"):
         lead = (num_blocks, self.num_layers, 2)
         return {
             "kv": torch.zeros(*lead, self.block_size, self.num_kv_heads, self.head_dim,
@@ -185,7 +168,7 @@ class Fp8Format(KVFormat):
             "scale": torch.zeros(*lead, self.num_kv_heads, dtype=torch.float32, device=device),
         }
 
-    def _write(self, store, layer, blocks, offsets, k, v):
+    def write(self, store, layer, blocks, offsets, k, v, positions=None):
         kv, scale = store["kv"][:, layer], store["scale"][:, layer]  # views: [NB, 2, ...]
         x = torch.stack((k, v), dim=1).float()  # [N, 2, KVH, HD]
         ub, inv = torch.unique(blocks, return_inverse=True)
@@ -214,7 +197,7 @@ class Fp8Format(KVFormat):
         q = quant.fp8_quantize(x, new[inv].unsqueeze(-1))  # [N, 2, KVH, HD]
         kv[blocks, :, offsets] = q
 
-    def _read(self, store, layer, block_ids):
+    def read(self, store, layer, block_ids):
         kv = store["kv"][block_ids, layer]  # [M, 2, BS, KVH, HD]
         s = store["scale"][block_ids, layer]  # [M, 2, KVH]
         x = quant.fp8_dequantize(kv, s[:, :, None, :, None]).to(self.compute_dtype)
@@ -244,7 +227,7 @@ class _GroupFormat(KVFormat):
     def _decode(self, layer: int, kv_index: int, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _allocate(self, num_blocks, device):
+    def allocate(self, num_blocks, device="cpu"):
         lead = (num_blocks, self.num_layers)
         bs, kvh, hd = self.block_size, self.num_kv_heads, self.head_dim
         return {
@@ -253,7 +236,7 @@ class _GroupFormat(KVFormat):
             "kscale": torch.zeros(*lead, kvh, hd, dtype=torch.float16, device=device),
         }
 
-    def _write(self, store, layer, blocks, offsets, k, v):
+    def write(self, store, layer, blocks, offsets, k, v, positions=None):
         q, vs, ks = store["q"][:, layer], store["vscale"][:, layer], store["kscale"][:, layer]
         g = self.group_size
         # values: per token and group
@@ -278,7 +261,7 @@ class _GroupFormat(KVFormat):
         ks[ub] = new.to(torch.float16)
         q[blocks, 0, offsets] = self._encode(layer, 0, k, new[inv])
 
-    def _read(self, store, layer, block_ids):
+    def read(self, store, layer, block_ids):
         q = store["q"][block_ids, layer]  # [M, 2, BS, KVH, P]
         g = self.group_size
         vs = store["vscale"][block_ids, layer].float().repeat_interleave(g, -1)  # [M, BS, KVH, HD]
@@ -374,9 +357,9 @@ KV_DTYPES = ("auto", "fp32", "fp16", "bf16", "fp8", "q4", "q3")  # auto: plain, 
 
 
 def make_format(name: str, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                compute_dtype: torch.dtype = torch.float32, **opts) -> KVFormat:
-    """opts: group_size (q4, q3), recent_slots (fp8, q4, q3: sequences whose filling block stays
-    exact, see the module doc); None is accepted by every format."""
+                compute_dtype: torch.dtype = torch.float32, **opts) -> KVFormat | ExactTail:
+    """opts: group_size (q4, q3), recent_slots (fp8, q4, q3: sequences whose newest block stays
+    exact; the format comes back wrapped in stage.ExactTail); None is accepted by every format."""
     args = (num_layers, block_size, num_kv_heads, head_dim)
     plain = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "auto": compute_dtype}
     grouped = {"q4": Q4Format, "q3": Q3Format}
@@ -387,8 +370,10 @@ def make_format(name: str, num_layers: int, block_size: int, num_kv_heads: int, 
     if name in plain:
         return PlainFormat(*args, dtype=plain[name], compute_dtype=compute_dtype)
     if name == "fp8":
-        return Fp8Format(*args, compute_dtype=compute_dtype, recent_slots=opts.get("recent_slots") or 0)
-    if name in grouped:
-        return grouped[name](*args, compute_dtype=compute_dtype, group_size=opts.get("group_size"),
-                             recent_slots=opts.get("recent_slots") or 0)
-    raise ValueError(f"unknown KV dtype {name!r}; expected one of {', '.join(KV_DTYPES)}")
+        fmt = Fp8Format(*args, compute_dtype=compute_dtype)
+    elif name in grouped:
+        fmt = grouped[name](*args, compute_dtype=compute_dtype, group_size=opts.get("group_size"))
+    else:
+        raise ValueError(f"unknown KV dtype {name!r}; expected one of {', '.join(KV_DTYPES)}")
+    slots = opts.get("recent_slots") or 0
+    return ExactTail(fmt, slots) if slots else fmt

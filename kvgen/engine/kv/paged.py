@@ -1,7 +1,7 @@
 """One sequence's view of the pool: a block table and a length.
 
-The seed's CacheProvider verbs (update / get / seq_len / reset / truncate) work on it for
-single-sequence use; the batched forward writes through `slots` instead.
+It only keeps the books (which blocks, how many tokens written); the forward pass writes K/V
+through `slots` into the pool's store, then `advance`s the length.
 """
 
 from __future__ import annotations
@@ -17,10 +17,6 @@ class PagedKVCache:
         self.blocks: list[int] = []  # block i holds positions i*block_size...; -1 once dropped
         self.first = 0  # blocks before this were dropped (out of a sliding window)
         self.length = 0  # tokens whose K/V are written
-
-    @property
-    def seq_len(self) -> int:
-        return self.length
 
     def blocks_needed(self, n_new: int) -> int:
         bs = self.pool.block_size
@@ -60,30 +56,8 @@ class PagedKVCache:
         return dropped
 
     def advance(self, n: int) -> None:
-        bs = self.pool.block_size
-        first = self.length // bs
+        """n more tokens' K/V are written (into slots reserved before)."""
         self.length += n
-        for i in range(first, -(-self.length // bs)):
-            self.pool.set_fill(self.blocks[i], min(bs, self.length - i * bs))
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append k, v [n, kv_heads, head_dim] for one layer; the last layer advances seq_len."""
-        n = k.shape[0]
-        self.reserve(n)
-        blocks, offsets = self.slots(self.length, n)
-        positions = torch.arange(self.length, self.length + n)
-        self.pool.fmt.write(self.pool.store, layer, blocks, offsets, k, v, positions)
-        if layer == self.pool.fmt.num_layers - 1:
-            self.advance(n)
-
-    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [seq_len, kv_heads, head_dim] of one layer, gathered from the blocks."""
-        n_blocks = -(-self.length // self.pool.block_size)
-        live = torch.tensor(self.blocks[self.first:n_blocks], dtype=torch.long)
-        k, v = self.pool.fmt.read(self.pool.store, layer, live)
-        shape = (-1, self.pool.fmt.num_kv_heads, self.pool.fmt.head_dim)
-        n = self.length - self.kv_start
-        return k.reshape(shape)[:n], v.reshape(shape)[:n]
 
     def truncate(self, new_len: int) -> list[int]:
         """Keep the first new_len tokens; returns the blocks given back to the pool (reserved
@@ -98,11 +72,8 @@ class PagedKVCache:
         self.first = min(self.first, keep)
         self.length = new_len
         self.pool.free(freed)
-        if new_len % bs and self.blocks:
-            self.pool.set_fill(self.blocks[-1], new_len % bs)
         return freed
 
     def reset(self) -> None:
+        """Give every block back to the pool; the cache is empty."""
         self.truncate(0)
-
-    free = reset

@@ -16,15 +16,13 @@ class BlockPool:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.fmt = fmt
+        self.device = torch.device(device)
         self.store = fmt.allocate(num_blocks, device)
         self.capacity = num_blocks
         self.block_size = fmt.block_size
         self._free = deque(range(num_blocks))
-        self._fill = [0] * num_blocks  # positions written, per allocated block
         self._allocated = set()
         self._lock = threading.Lock()
-        self.on_alloc = None  # hooks for tracing: fn(blocks)
-        self.on_free = None
 
     @classmethod
     def from_budget(cls, fmt: KVFormat, budget_mb: float, device="cpu") -> BlockPool:
@@ -39,14 +37,23 @@ class BlockPool:
     def used(self) -> int:
         return self.capacity - len(self._free)
 
+    @property
+    def exact_blocks_used(self) -> int:
+        """Sequences' newest blocks held exact beside the quantized store (stage.ExactTail;
+        0 for formats without one)."""
+        return self.fmt.exact_blocks_used
+
+    @property
+    def exact_blocks_total(self) -> int:
+        """Slots for exact newest blocks (0: the format keeps none)."""
+        return self.fmt.exact_blocks_total
+
     def alloc(self, n: int) -> list[int]:
         with self._lock:
             if n > len(self._free):
                 raise PoolExhausted(f"need {n} KV blocks, {len(self._free)} free of {self.capacity}")
             blocks = [self._free.popleft() for _ in range(n)]
             self._allocated.update(blocks)
-        if self.on_alloc and blocks:
-            self.on_alloc(blocks)
         return blocks
 
     def free(self, blocks: list[int]) -> None:
@@ -55,20 +62,5 @@ class BlockPool:
                 if b not in self._allocated:
                     raise RuntimeError(f"KV block {b} freed twice or never allocated")
                 self._allocated.discard(b)
-                self._fill[b] = 0
                 self._free.append(b)
             self.fmt.release(self.store, blocks)
-        if self.on_free and blocks:
-            self.on_free(blocks)
-
-    def set_fill(self, block: int, n: int) -> None:
-        self._fill[block] = n
-
-    def fragmentation_ratio(self) -> float:
-        """Allocated but unwritten positions / allocated positions."""
-        with self._lock:
-            allocated = len(self._allocated) * self.block_size
-            if not allocated:
-                return 0.0
-            used = sum(self._fill[b] for b in self._allocated)
-        return (allocated - used) / allocated

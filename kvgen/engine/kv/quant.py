@@ -8,7 +8,8 @@ float8_e4m3fn round to nearest even.
 fp8 (E4M3, torch.float8_e4m3fn), FP8_MAX = 448
     quantize(x, scale):  y = x / scale where scale > 0, else 0;  q = fp8(clamp(y, -448, 448))
     dequantize(q, scale): float32(q) * scale
-    The scale comes from the caller (formats.Fp8Format: one per block, layer, k|v, KV head).
+    The scale comes from the caller (formats.Fp8Format: one per block, layer, k|v, KV head;
+    fp8_quantize_blocks: absmax / 448 per block and head, for whole blocks at once).
 
 q4, group size G along the last dim (D % G == 0, D even)
     per group:  scale = float16(absmax / 7);  s = float32(scale)
@@ -56,6 +57,19 @@ def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale
+
+
+def fp8_quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Whole blocks with one scale per block and head: x [*lead, T, kv_heads, head_dim] ->
+    (q, scale [*lead, kv_heads] = absmax over (T, head_dim) / 448). kvgen.gpu.ops.pack_fp8 is
+    the bulk kernel of exactly this."""
+    scale = x.float().abs().amax(dim=(-3, -1)) / FP8_MAX
+    return fp8_quantize(x, scale[..., None, :, None]), scale
+
+
+def fp8_dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Inverse of fp8_quantize_blocks, float32 (kvgen.gpu.ops.unpack_fp8)."""
+    return fp8_dequantize(q, scale[..., None, :, None])
 
 
 def _groups(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -18,12 +18,7 @@ bench/results/kv.md measures both, on and off.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from kvgen.engine.kv.formats import KVFormat
 
 
 class _Slots:
@@ -52,29 +47,82 @@ class _Slots:
                 self.free.append(slot)
 
 
-class Stage:
-    """rows [slots, L, 2, BS, KVH, HD] (newest blocks, lent by `recent`) and sink [4 * slots, L,
-    2, KVH, HD] (first tokens, lent by `first`), in the format's compute dtype; pending: full
-    blocks to quantize at the next forward pass that writes elsewhere. The format's own
-    _write / _read reach the quantized store."""
+class ExactTail:
+    """A quantized format (`inner`, formats.py) with each sequence's newest block and first token
+    held exact beside its store; it presents the format interface (allocate / write / read /
+    release / take_block / put_block / sizes) and reaches the quantized store only through the
+    inner format's own write and read.
 
-    def __init__(self, fmt: KVFormat, slots: int, num_blocks: int, device):
-        self.fmt = fmt
+    Its tensors are its own, never in the store, so the store stays exactly what the inner
+    format (and a GPU kernel of it) reads: rows [slots, L, 2, BS, KVH, HD] (newest blocks, lent
+    by `recent`) and sink [4 * slots, L, 2, KVH, HD] (first tokens, lent by `first`), in the
+    compute dtype; pending: full blocks to quantize at the next forward pass that writes
+    elsewhere. One store at a time: `allocate` starts a fresh one (and fresh slots).
+    """
+
+    def __init__(self, inner, slots: int):
+        self.inner = inner
+        self.recent_slots = slots
+        self._store: dict | None = None
+
+    # The inner format's parameters read through (name, num_layers, block_size, head_dim,
+    # compute_dtype, equalize_keys, group_size, codebook, calibrate...): the model, the GPU
+    # kernels and calibration read them on whatever make_format returns.
+    def __getattr__(self, name: str):
+        if name == "inner":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    @property
+    def qk_scale(self) -> torch.Tensor | None:
+        return self.inner.qk_scale
+
+    @qk_scale.setter
+    def qk_scale(self, value: torch.Tensor | None) -> None:
+        self.inner.qk_scale = value
+
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        fmt, slots = self.inner, self.recent_slots
         kvh, hd, dt = fmt.num_kv_heads, fmt.head_dim, fmt.compute_dtype
         self.rows = torch.zeros(slots, fmt.num_layers, 2, fmt.block_size, kvh, hd, dtype=dt, device=device)
         self.recent = _Slots(slots, num_blocks, device)
         self.pending: set[int] = set()
         self.sink = torch.zeros(4 * slots, fmt.num_layers, 2, kvh, hd, dtype=dt, device=device)
         self.first = _Slots(4 * slots, num_blocks, device)
+        self._store = fmt.allocate(num_blocks, device)
+        return self._store
 
-    @staticmethod
-    def nbytes(fmt: KVFormat, slots: int) -> int:
-        return slots * fmt.num_layers * 2 * (fmt.block_size + 4) * fmt.num_kv_heads * fmt.head_dim \
+    def stage_bytes(self) -> int:
+        """Memory of the exact rows and first tokens (outside the blocks)."""
+        fmt = self.inner
+        return self.recent_slots * fmt.num_layers * 2 * (fmt.block_size + 4) * fmt.num_kv_heads * fmt.head_dim \
             * torch.empty(0, dtype=fmt.compute_dtype).element_size()
 
+    def bytes_per_block(self) -> int:
+        return self.inner.bytes_per_block()
+
+    def bytes_per_token_per_layer(self) -> float:
+        return self.inner.bytes_per_token_per_layer()
+
+    @property
+    def exact_blocks_used(self) -> int:
+        """Newest blocks held exact now."""
+        return len(self.recent.held) if self._store is not None else 0
+
+    @property
+    def exact_blocks_total(self) -> int:
+        return self.recent_slots
+
+    def _check(self, store: dict) -> None:
+        if store is not self._store:
+            raise ValueError("ExactTail serves the store of its last allocate() only")
+
     def write(self, store: dict, layer: int, blocks: torch.Tensor, offsets: torch.Tensor,
-              k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None) -> None:
-        fmt = self.fmt
+              k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """As KVFormat.write; rows of blocks holding a slot go to the exact rows, the rest to
+        the quantized store, and rows at position 0 are kept exact too."""
+        self._check(store)
+        fmt = self.inner
         if positions is not None and int(positions.min()) == 0:
             for i in (positions == 0).nonzero()[:, 0].tolist():
                 slot = self.first.acquire(int(blocks[i]))
@@ -101,7 +149,7 @@ class Stage:
         staged = [i for i, sl in enumerate(slots) if sl >= 0]
         if len(staged) < len(bl):
             rest = torch.tensor([i for i, sl in enumerate(slots) if sl < 0], device=k.device)
-            fmt._write(store, layer, blocks[rest], offsets[rest], k[rest], v[rest])
+            fmt.write(store, layer, blocks[rest], offsets[rest], k[rest], v[rest])
         if not staged:
             return
         dev = self.rows.device
@@ -117,7 +165,7 @@ class Stage:
     def _flush(self, store: dict, blocks: list[int]) -> None:
         """Quantize full staged blocks into the store, every layer (all their tokens are known),
         and give their slots back."""
-        fmt = self.fmt
+        fmt = self.inner
         rows = self.rows[torch.tensor([self.recent.held[b] for b in blocks], device=self.rows.device)]
         ids = torch.tensor(blocks, device=self.recent.of.device)
         fb = ids.repeat_interleave(fmt.block_size)
@@ -125,18 +173,20 @@ class Stage:
         shape = (-1, fmt.num_kv_heads, fmt.head_dim)
         for layer in range(fmt.num_layers):
             x = rows[:, layer]  # [F, 2, BS, KVH, HD]
-            fmt._write(store, layer, fb, fo, x[:, 0].reshape(shape), x[:, 1].reshape(shape))
+            fmt.write(store, layer, fb, fo, x[:, 0].reshape(shape), x[:, 1].reshape(shape))
         self.release_rows(blocks)
 
     def _stage_existing(self, store: dict, block: int) -> None:
         ids = torch.tensor([block], device=self.recent.of.device)
         slot = self.recent.held[block]
-        for layer in range(self.fmt.num_layers):
-            k, v = self.fmt._read(store, layer, ids)
+        for layer in range(self.inner.num_layers):
+            k, v = self.inner.read(store, layer, ids)
             self.rows[slot, layer, 0], self.rows[slot, layer, 1] = k[0], v[0]
 
-    def read(self, layer: int, block_ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """k, v [M, BS, KVH, HD] as read from the quantized store, with what is held exact."""
+    def read(self, store: dict, layer: int, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As KVFormat.read: the quantized store's K, V with what is held exact in their place."""
+        self._check(store)
+        k, v = self.inner.read(store, layer, block_ids)
         if self.recent.held:
             slot = self.recent.of.index_select(0, block_ids)
             hit = (slot >= 0).nonzero()[:, 0]
@@ -152,8 +202,10 @@ class Stage:
                 k[hit, 0], v[hit, 0] = x[:, 0], x[:, 1]
         return k, v
 
-    def release(self, blocks) -> None:
-        """The blocks are freed: their slots (rows and first token) are free again."""
+    def release(self, store: dict, blocks: list[int]) -> None:
+        """The pool freed the blocks: their slots (rows and first token) are free again."""
+        self._check(store)
+        self.inner.release(store, blocks)
         self.first.release(blocks)
         self.release_rows(blocks)
 
@@ -162,9 +214,11 @@ class Stage:
         self.recent.release(blocks)
         self.pending.difference_update(blocks)
 
-    def take(self, block: int, fill: int) -> dict[str, torch.Tensor]:
-        """Copies of what is held exact for a block ("stage": rows past `fill` zeroed; "sink")."""
-        out = {}
+    def take_block(self, store: dict, block: int, fill: int) -> dict[str, torch.Tensor]:
+        """The inner format's block, plus copies of what is held exact for it ("stage": rows
+        past `fill` zeroed; "sink")."""
+        self._check(store)
+        out = self.inner.take_block(store, block, fill)
         if block in self.recent.held:
             rows = self.rows[self.recent.held[block]].clone()
             rows[:, :, fill:] = 0
@@ -173,9 +227,11 @@ class Stage:
             out["sink"] = self.sink[self.first.held[block]].clone()
         return out
 
-    def put(self, store: dict, block: int, data: dict[str, torch.Tensor], fill: int) -> None:
-        """Inverse of take into a freshly allocated block; with no slot free, the rows are
-        quantized into the block."""
+    def put_block(self, store: dict, block: int, data: dict[str, torch.Tensor], fill: int) -> None:
+        """Inverse of take_block into a freshly allocated block; with no slot free, the exact
+        rows are quantized into the block."""
+        self._check(store)
+        self.inner.put_block(store, block, {n: t for n, t in data.items() if n not in ("stage", "sink")}, fill)
         if "sink" in data and self.first.acquire(block) is not None:
             self.sink[self.first.held[block]] = data["sink"].to(self.sink.device, self.sink.dtype)
         if "stage" not in data:
@@ -183,11 +239,11 @@ class Stage:
         slot = self.recent.acquire(block)
         if slot is not None:
             self.rows[slot] = data["stage"].to(self.rows.device, self.rows.dtype)
-            if fill == self.fmt.block_size:  # full: quantized at the next write, as before it left
+            if fill == self.inner.block_size:  # full: quantized at the next write, as before it left
                 self.pending.add(block)
             return
         dev = self.rows.device
         blocks, offsets = torch.full((fill,), block, device=dev), torch.arange(fill, device=dev)
-        for layer in range(self.fmt.num_layers):
+        for layer in range(self.inner.num_layers):
             x = data["stage"][layer, :, :fill].to(dev)
-            self.fmt._write(store, layer, blocks, offsets, x[0], x[1])
+            self.inner.write(store, layer, blocks, offsets, x[0], x[1])

@@ -1,42 +1,49 @@
 """Hot / warm / cold homes for a sequence's KV blocks, so idle sequences need not hold pool blocks.
 
 hot   the block is in the BlockPool, where attention reads it.
-warm  the block lives in host memory outside the pool: its slice of every store tensor
-      (codec "raw": the exact bytes, lossless), or its K/V re-quantized to fp8 / q4 (lossy,
-      smaller; meant for fp32/fp16/bf16 pools, where raw blocks are large).
-cold  the warm form written to a file under the cold directory (KV_COLD_DIR, else a temp dir).
+warm  the block lives in host memory outside the pool, in the form its WarmCodec gives it.
+cold  the warm form written to a file in this TieredKV's own directory.
 
 A demoted block gives its pool block back and leaves a hole (HOLE) in `cache.blocks`; the
-block table must not reach a forward pass with holes in it, so `promote(cache)` (or an earlier
-`prefetch(cache)`, which does the same on a background thread) fills every hole with a freshly
-allocated pool block. Block ids change across a round trip; the data does not (raw codec).
+block table must not reach a forward pass with holes in it, so `promote(cache)` fills every
+hole with a freshly allocated pool block. Block ids change across a round trip; the data does
+not (raw codec).
 
-The tier store only touches a cache through its block table, its length and the pool, and the
-caller serialises work on one cache: no forward pass, truncate or demote on a cache while a
-prefetch of it may run; `promote` waits for that prefetch first.
+Everything runs on the caller's thread (the engine's): a block copy is a parallel torch op, and
+a second thread running them keeps a second OpenMP pool that slows decode from then on.
+
+Cold files: each TieredKV writes into a fresh directory of its own (under `cold_dir` when
+given, else the system temp dir) and removes it on close; every file starts with a header
+(this instance's random token, the block's fill and payload layout) that is checked before a
+block is read back, so a file left by a killed process, or any file not written by this
+instance for this block, is never read back as someone's KV.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import math
 import os
+import secrets
 import shutil
+import struct
 import tempfile
-import threading
 import uuid
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from kvgen.engine.kv import quant
+from kvgen.engine.kv.formats import PlainFormat
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 
 HOLE = -1  # cache.blocks entry of a block that is not in the pool
 CODECS = ("raw", "fp8", "q4")
+MAGIC = b"KVGCOLD1"
 
 
 class Tier(enum.IntEnum):
@@ -45,19 +52,83 @@ class Tier(enum.IntEnum):
     COLD = 2
 
 
+class ColdFileInvalid(RuntimeError):
+    """A cold file is not the one this TieredKV wrote for the block (another process's, or
+    changed on disk): its block is lost, never read back."""
+
+
+Layout = list[tuple[str, torch.dtype, tuple[int, ...]]]
+
+
 @dataclass
 class _Parked:
     """One block outside the pool."""
 
     tier: Tier
     fill: int  # tokens written in the block
-    tensors: dict[str, torch.Tensor] | None  # warm payload
-    layout: list[tuple[str, torch.dtype, tuple[int, ...]]]  # how the payload is laid out on disk
+    tensors: dict[str, torch.Tensor] | None  # warm payload (None once cold)
+    layout: Layout  # how the payload is laid out on disk
     path: str | None = None  # cold file
 
     @property
     def nbytes(self) -> int:
         return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for _, dt, shape in self.layout)
+
+
+class WarmCodec:
+    """How a block is held outside the pool, chosen once:
+
+    raw  the block's slice of every store tensor (format.take_block): exact, any format.
+    fp8  its K/V as E4M3, one scale per layer, k|v and head (quant.fp8_quantize_blocks).
+    q4   its K/V as 4-bit codes, float16 scales per token and group of min(32, head_dim)
+         (quant.q4_quantize).
+    The lossy two read the block through the format and write it back through it; they are
+    for plain pools (fp32 / fp16 / bf16), whose raw blocks are large: fp8 holds 2x (fp16) to 4x
+    (fp32) more idle tokens in the same host memory, q4 3.5x to 7x. With `kernels` (a CUDA
+    pool) they run the Numba bulk kernels (kvgen.gpu.ops.pack_* / unpack_*, bit-exact with
+    quant), so only the small payload crosses to the host.
+    """
+
+    def __init__(self, name: str, fmt, kernels: bool = False):
+        if name not in CODECS:
+            raise ValueError(f"unknown warm codec {name!r}; expected one of {', '.join(CODECS)}")
+        if name != "raw" and not isinstance(fmt, PlainFormat):
+            raise ValueError(f"the {name} warm codec is for fp32/fp16/bf16 KV pools, not {fmt.name}: "
+                             "re-quantizing quantized blocks loses twice and saves little")
+        self.name, self.fmt = name, fmt
+        group = min(32, fmt.head_dim)
+        if kernels and name != "raw":
+            from kvgen.gpu import ops
+
+            lossy = {"fp8": (ops.pack_fp8, ops.unpack_fp8),
+                     "q4": (functools.partial(ops.pack_q4, group=group), functools.partial(ops.unpack_q4, group=group))}
+        else:
+            lossy = {"fp8": (quant.fp8_quantize_blocks, quant.fp8_dequantize_blocks),
+                     "q4": (functools.partial(quant.q4_quantize, group=group),
+                            functools.partial(quant.q4_dequantize, group=group))}
+        self._pack, self._unpack = lossy.get(name, (None, None))
+
+    def encode(self, store: dict, block: int, fill: int) -> dict[str, torch.Tensor]:
+        """The block's payload, in host memory."""
+        if self.name == "raw":
+            return {n: t.cpu() for n, t in self.fmt.take_block(store, block, fill).items()}
+        fmt = self.fmt
+        ids = torch.tensor([block], device=next(iter(store.values())).device)
+        x = torch.stack([torch.stack(fmt.read(store, layer, ids))[:, 0, :fill]
+                         for layer in range(fmt.num_layers)]).float()  # [L, 2, fill, KVH, HD]
+        q, scale = self._pack(x)
+        return {"q": q.cpu(), "scale": scale.cpu()}
+
+    def decode(self, store: dict, block: int, payload: dict[str, torch.Tensor], fill: int) -> None:
+        """Put a payload back into a freshly allocated pool block."""
+        if self.name == "raw":
+            self.fmt.put_block(store, block, payload, fill)
+            return
+        dev = next(iter(store.values())).device
+        x = self._unpack(payload["q"].to(dev), payload["scale"].to(dev))  # [L, 2, fill, KVH, HD] float32
+        blocks, offsets = torch.full((fill,), block, device=dev), torch.arange(fill, device=dev)
+        for layer in range(self.fmt.num_layers):  # re-encoded into the pool's own format
+            self.fmt.write(store, layer, blocks, offsets, x[layer, 0], x[layer, 1])
 
 
 class AccessPolicy:
@@ -103,40 +174,36 @@ class AccessPolicy:
 
 
 class TieredKV:
+    """codec: the warm form, "raw" (exact bytes) or "fp8" / "q4" (lossy, smaller; plain pools
+    only): see WarmCodec. cold_dir: where this instance makes its own directory (default: the
+    system temp dir)."""
+
     def __init__(self, pool: BlockPool, codec: str = "raw", cold_dir: str | None = None,
                  policy: AccessPolicy | None = None):
-        if codec not in CODECS:
-            raise ValueError(f"unknown tier codec {codec!r}; expected one of {', '.join(CODECS)}")
         self.pool = pool
         self.fmt = pool.fmt
-        self.codec = codec
+        self.codec = WarmCodec(codec, pool.fmt, kernels=pool.device.type == "cuda")
         self.policy = policy or AccessPolicy()
-        cold_dir = cold_dir or os.environ.get("KV_COLD_DIR") or None
-        # A directory we created is ours to delete; a given one outlives us (only our files go).
-        # Made on the first cold write: most servers never spill to disk.
-        self._own_dir = cold_dir is None
-        self.cold_dir = cold_dir
+        self._parent = cold_dir
+        self.cold_dir: str | None = None  # ours, made on the first cold write: most servers never spill
+        self._token = secrets.token_bytes(16)  # marks the cold files this instance wrote
         self._parked: dict[PagedKVCache, dict[int, _Parked]] = {}
-        self._inflight: dict[PagedKVCache, Future] = {}
-        self._lock = threading.RLock()
-        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvgen-prefetch")
+        self._bytes = {Tier.WARM: 0, Tier.COLD: 0}
         self._closed = False
 
     # where blocks are
 
     def tier(self, cache: PagedKVCache, index: int) -> Tier:
-        with self._lock:
-            p = self._parked.get(cache, {}).get(index)
+        p = self._parked.get(cache, {}).get(index)
         return Tier.HOT if p is None else p.tier
 
     def parked(self, cache: PagedKVCache) -> int:
         """Blocks of this cache outside the pool."""
-        with self._lock:
-            return len(self._parked.get(cache, {}))
+        return len(self._parked.get(cache, {}))
 
     def nbytes(self, tier: Tier) -> int:
-        with self._lock:
-            return sum(p.nbytes for blocks in self._parked.values() for p in blocks.values() if p.tier == tier)
+        """Payload bytes held in a tier (warm: host memory; cold: disk, headers not counted)."""
+        return self._bytes.get(Tier(tier), 0)
 
     # moving blocks
 
@@ -145,12 +212,11 @@ class TieredKV:
         tier = Tier(tier)
         if tier == Tier.HOT:
             raise ValueError("use promote() to bring blocks back to the pool")
-        with self._lock:
-            p = self._parked.get(cache, {}).get(index)
-            if p is None:
-                p = self._park(cache, index)
-            if p.tier < tier:  # warm -> cold
-                self._write_cold(p)
+        p = self._parked.get(cache, {}).get(index)
+        if p is None:
+            p = self._park(cache, index)
+        if p.tier < tier:  # warm -> cold
+            self._write_cold(p)
 
     def _park(self, cache: PagedKVCache, index: int) -> _Parked:
         bs = self.pool.block_size
@@ -158,130 +224,96 @@ class TieredKV:
             raise ValueError(f"block {index} of a {cache.length}-token cache holds no tokens")
         block = cache.blocks[index]
         fill = min(bs, cache.length - index * bs)
-        tensors = self._encode(block, fill)
+        tensors = self.codec.encode(self.pool.store, block, fill)
         p = _Parked(Tier.WARM, fill, tensors, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
         self._parked.setdefault(cache, {})[index] = p
+        self._bytes[Tier.WARM] += p.nbytes
         cache.blocks[index] = HOLE
         self.pool.free([block])
         return p
 
     def promote(self, cache: PagedKVCache) -> int:
-        """Bring every parked block of the cache back into fresh pool blocks (waiting for a
-        prefetch of it first). Returns how many blocks came back; raises PoolExhausted,
-        changing nothing, when the pool is short."""
-        with self._lock:
-            fut = self._inflight.pop(cache, None)
-        if fut is not None:
-            fut.result()
-        return self._promote_now(cache)
-
-    def prefetch(self, cache: PagedKVCache) -> Future:
-        """Start promoting the cache on the background thread; the next promote() waits for it.
-        A prefetch that fails (pool short) is forgotten: promote() then tries again itself."""
-        with self._lock:
-            fut = self._inflight.get(cache)
-            if fut is None:
-                fut = self._inflight[cache] = self._prefetcher.submit(self._promote_now, cache)
-                fut.add_done_callback(lambda f, c=cache: self._settled(c, f))
-        return fut
-
-    def _settled(self, cache: PagedKVCache, fut: Future) -> None:
-        with self._lock:
-            if self._inflight.get(cache) is fut:
-                del self._inflight[cache]
-
-    def _promote_now(self, cache: PagedKVCache) -> int:
-        with self._lock:
-            items = sorted(self._parked.get(cache, {}).items())
-            if not items:
-                return 0
-            fresh = self.pool.alloc(len(items))  # all or nothing
-        # Copying happens outside the lock: the pool blocks are ours and no one else
-        # touches this cache meanwhile (the caller's contract).
-        for (index, p), block in zip(items, fresh, strict=True):
-            self._restore(p, block)
-            with self._lock:
-                cache.blocks[index] = block
-                self.pool.set_fill(block, p.fill)
-                del self._parked[cache][index]
-            self._unlink(p)
-        with self._lock:
-            if not self._parked.get(cache):
-                self._parked.pop(cache, None)
+        """Bring every parked block of the cache back into fresh pool blocks. Returns how many
+        came back. Changes nothing when it raises: PoolExhausted (the pool is short) or
+        ColdFileInvalid (`truncate` keeps what comes before such a block instead)."""
+        items = sorted(self._parked.get(cache, {}).items())
+        if not items:
+            return 0
+        payloads = [p.tensors if p.tensors is not None else self._read_cold(p) for _, p in items]
+        fresh = self.pool.alloc(len(items))  # all or nothing
+        for (index, p), payload, block in zip(items, payloads, fresh, strict=True):
+            self.codec.decode(self.pool.store, block, payload, p.fill)
+            cache.blocks[index] = block
+            self._drop(p)
+        del self._parked[cache]
         return len(items)
 
     # policy
 
     def touch(self, cache: PagedKVCache, indices=None) -> None:
         """Record that attention read these blocks of the cache (all by default)."""
-        with self._lock:
-            self.policy.touch(cache, indices)
+        self.policy.touch(cache, indices)
 
     def make_room(self, need: int, tier: Tier = Tier.WARM, exclude=(), only=None) -> bool:
         """Demote the policy's victims until the pool has `need` free blocks; exclude the caches
         that are about to run (or name the idle ones in `only`). Returns whether there is room."""
-        with self._lock:
-            short = need - self.pool.available
-            if short > 0:
-                for cache, index in self.policy.victims(short, exclude, only):
-                    self.demote(cache, index, tier)
-            return self.pool.available >= need
+        short = need - self.pool.available
+        if short > 0:
+            for cache, index in self.policy.victims(short, exclude, only):
+                self.demote(cache, index, tier)
+        return self.pool.available >= need
 
     def spill(self, max_warm_bytes: int) -> int:
         """Write warm blocks to cold files, least recently read first, until the warm tier holds
         at most max_warm_bytes. Returns how many blocks went cold."""
-        with self._lock:
-            warm = sorted((*self.policy.rank(c, i), i, id(c), c) for c, blocks in self._parked.items()
-                          for i, p in blocks.items() if p.tier == Tier.WARM)
-            total, moved = self.nbytes(Tier.WARM), 0
-            for *_, index, _, cache in warm:
-                if total <= max_warm_bytes:
-                    break
-                p = self._parked[cache][index]
-                total -= p.nbytes
-                self._write_cold(p)
-                moved += 1
-            return moved
+        warm = sorted((*self.policy.rank(c, i), i, id(c), c) for c, blocks in self._parked.items()
+                      for i, p in blocks.items() if p.tier == Tier.WARM)
+        moved = 0
+        for *_, index, _, cache in warm:
+            if self._bytes[Tier.WARM] <= max_warm_bytes:
+                break
+            self._write_cold(self._parked[cache][index])
+            moved += 1
+        return moved
 
     # keeping the cache's own verbs working
 
     def truncate(self, cache: PagedKVCache, new_len: int) -> None:
         """cache.truncate for a cache with parked blocks: parked blocks past new_len are
-        dropped, the rest are promoted (the next turn reads them anyway)."""
-        self.promote_wait(cache)
-        keep = -(-max(0, min(new_len, cache.length)) // self.pool.block_size)
-        with self._lock:
-            for index in [i for i in self._parked.get(cache, {}) if i >= keep]:
-                self._unlink(self._parked[cache].pop(index))
-            cache.blocks = cache.blocks[:keep] + [b for b in cache.blocks[keep:] if b != HOLE]
+        dropped, the rest are promoted (the next turn reads them anyway). A cold block whose
+        file fails its check is lost: the cache keeps only the tokens before it. Raises
+        PoolExhausted (nothing dropped beyond new_len) when the pool is too short."""
+        bs = self.pool.block_size
+        new_len = max(0, min(new_len, cache.length))
+        parked = self._parked.get(cache, {})
+        for index in sorted(i for i, p in parked.items() if p.tier == Tier.COLD and i * bs < new_len):
+            if not self._cold_file_ok(parked[index]):
+                new_len = index * bs
+                break
+        keep = -(-new_len // bs)
+        for index in [i for i in parked if i >= keep]:
+            self._drop(parked.pop(index))
+        if not parked:
+            self._parked.pop(cache, None)
+        cache.blocks = cache.blocks[:keep] + [b for b in cache.blocks[keep:] if b != HOLE]
         self.promote(cache)
         cache.truncate(new_len)
 
     def reset(self, cache: PagedKVCache) -> None:
         """cache.reset, dropping its parked blocks (and cold files) and the policy's memory of it."""
         self.truncate(cache, 0)
-        with self._lock:
-            self.policy.forget(cache)
-
-    def promote_wait(self, cache: PagedKVCache) -> None:
-        """Wait for an in-flight prefetch of the cache, if any, without promoting anything."""
-        with self._lock:
-            fut = self._inflight.pop(cache, None)
-        if fut is not None:
-            fut.result()
+        self.policy.forget(cache)
 
     def close(self) -> None:
-        """Stop the prefetch thread and delete every cold file (and the directory, if ours)."""
+        """Delete every cold file and our directory."""
         if self._closed:
             return
         self._closed = True
-        self._prefetcher.shutdown(wait=True)
-        with self._lock:
-            for blocks in self._parked.values():
-                for p in blocks.values():
-                    self._unlink(p)
-            self._parked.clear()
-        if self._own_dir and self.cold_dir:
+        for blocks in self._parked.values():
+            for p in blocks.values():
+                self._drop(p)
+        self._parked.clear()
+        if self.cold_dir:
             shutil.rmtree(self.cold_dir, ignore_errors=True)
 
     def __enter__(self):
@@ -290,56 +322,42 @@ class TieredKV:
     def __exit__(self, *exc):
         self.close()
 
-    # payloads
-
-    def _encode(self, block: int, fill: int) -> dict[str, torch.Tensor]:
-        if self.codec == "raw":
-            return self.fmt.take_block(self.pool.store, block, fill)
-        x = self._read_block(block)[:, :, :fill]  # [L, 2, fill, KVH, HD] float32
-        if self.codec == "fp8":
-            # One scale per layer, k|v and head, as Fp8Format keeps per block.
-            scale = x.abs().amax(dim=(2, 4)) / quant.FP8_MAX
-            return {"q": quant.fp8_quantize(x, scale[:, :, None, :, None]), "scale": scale}
-        q, s = quant.q4_quantize(x, min(32, self.fmt.head_dim))
-        return {"q": q, "scale": s}
-
-    def _decode(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
-        if self.codec == "fp8":
-            return quant.fp8_dequantize(t["q"], t["scale"][:, :, None, :, None])
-        return quant.q4_dequantize(t["q"], t["scale"], min(32, self.fmt.head_dim))
-
-    def _read_block(self, block: int) -> torch.Tensor:
-        ids = torch.tensor([block])
-        return torch.stack([torch.stack(self.fmt.read(self.pool.store, layer, ids))[:, 0]
-                            for layer in range(self.fmt.num_layers)]).float()
-
-    def _restore(self, p: _Parked, block: int) -> None:
-        t = p.tensors if p.tensors is not None else self._read_cold(p)
-        if self.codec == "raw":
-            self.fmt.put_block(self.pool.store, block, t, p.fill)
-            return
-        x = self._decode(t)
-        blocks, offsets = torch.full((p.fill,), block), torch.arange(p.fill)
-        for layer in range(self.fmt.num_layers):  # re-encoded into the pool's own format
-            self.fmt.write(self.pool.store, layer, blocks, offsets, x[layer, 0], x[layer, 1])
-
     # disk
+
+    def _header(self, p: _Parked) -> bytes:
+        meta = json.dumps({"fill": p.fill, "layout": [[n, str(dt), list(s)] for n, dt, s in p.layout]}).encode()
+        return MAGIC + self._token + struct.pack("<I", len(meta)) + meta
 
     def _write_cold(self, p: _Parked) -> None:
         if self.cold_dir is None:
-            self.cold_dir = tempfile.mkdtemp(prefix="kvgen-cold-")
-        os.makedirs(self.cold_dir, exist_ok=True)
+            if self._parent:
+                os.makedirs(self._parent, exist_ok=True)
+            self.cold_dir = tempfile.mkdtemp(prefix="kvgen-cold-", dir=self._parent or None)
         path = os.path.join(self.cold_dir, f"{uuid.uuid4().hex}.kv")
         with open(path, "wb") as f:
+            f.write(self._header(p))
             for name, _, _ in p.layout:
                 f.write(p.tensors[name].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        self._bytes[Tier.WARM] -= p.nbytes
+        self._bytes[Tier.COLD] += p.nbytes
         p.path, p.tensors, p.tier = path, None, Tier.COLD
 
+    def _cold_file_ok(self, p: _Parked) -> bool:
+        header = self._header(p)
+        try:
+            with open(p.path, "rb") as f:
+                return f.read(len(header)) == header and os.fstat(f.fileno()).st_size == len(header) + p.nbytes
+        except OSError:
+            return False
+
     def _read_cold(self, p: _Parked) -> dict[str, torch.Tensor]:
+        header = self._header(p)
         with open(p.path, "rb") as f:
             raw = bytearray(f.read())
-        flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        out, at = {}, 0
+        if raw[:len(header)] != header or len(raw) != len(header) + p.nbytes:
+            raise ColdFileInvalid(f"{p.path} is not the cold block this process wrote")
+        flat = torch.frombuffer(raw, dtype=torch.uint8)
+        out, at = {}, len(header)
         for name, dtype, shape in p.layout:
             n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
             # clone: a view as a wider dtype needs an aligned start, which a slice may not have
@@ -347,8 +365,9 @@ class TieredKV:
             at += n
         return out
 
-    @staticmethod
-    def _unlink(p: _Parked) -> None:
+    def _drop(self, p: _Parked) -> None:
+        """Forget a parked block: its bytes leave the tier's count, its cold file goes."""
+        self._bytes[p.tier] -= p.nbytes
         if p.path is not None:
             try:
                 os.remove(p.path)

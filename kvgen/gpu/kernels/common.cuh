@@ -2,7 +2,7 @@
 //
 // No CUDA headers are included on purpose: NVRTC (CuPy RawModule) may run on a machine
 // without the toolkit's cuda_fp16.h / cuda_fp8.h, and the software conversions below are
-// also compiled for the host by tests/test_gpu_build.py and checked bit-exactly against
+// also compiled for the host by tests/gpu/test_host_helpers.py and checked bit-exactly against
 // torch. fp16, bf16 and fp8 values are passed around as their raw bits.
 //
 // Every conversion rounds to nearest, ties to even, like torch's casts and like

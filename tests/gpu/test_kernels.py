@@ -13,6 +13,8 @@ import importlib.util
 import pytest
 import torch
 
+from tests.gpu.helpers import DTYPES, FORMATS, raw_bits
+
 
 def _ready() -> bool:
     if not torch.cuda.is_available() or importlib.util.find_spec("cupy") is None:
@@ -24,21 +26,13 @@ def _ready() -> bool:
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _ready(), reason="needs a CUDA device, CuPy and Numba")]
 
-FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
-DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 DEV = "cuda"
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    view = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8,
-            torch.float32: torch.int32}.get(t.dtype)
-    return t.view(view) if view is not None else t
 
 
 def _assert_same_store(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for key in a:
-        x, y = _bits(a[key]), _bits(b[key])
+        x, y = raw_bits(a[key]), raw_bits(b[key])
         if not torch.equal(x, y):
             diff = (x != y).nonzero()
             raise AssertionError(f"store[{key!r}] differs at {diff.shape[0]} places, "
@@ -242,18 +236,18 @@ def test_pack_kernels_match_quant(dtype):
     q, scale = ops.pack_fp8(x)
     ref_scale = x.float().abs().amax(dim=(-3, -1)) / quant.FP8_MAX
     ref_q = quant.fp8_quantize(x, ref_scale[..., None, :, None])
-    assert torch.equal(_bits(q), _bits(ref_q)) and torch.equal(_bits(scale), _bits(ref_scale))
+    assert torch.equal(raw_bits(q), raw_bits(ref_q)) and torch.equal(raw_bits(scale), raw_bits(ref_scale))
     for out_dtype in DTYPES:
         got = ops.unpack_fp8(q, scale, out_dtype)
         ref = quant.fp8_dequantize(ref_q, ref_scale[..., None, :, None]).to(out_dtype)
-        assert torch.equal(_bits(got), _bits(ref))
+        assert torch.equal(raw_bits(got), raw_bits(ref))
     for group in (32, 8, 2):
         packed, scales = ops.pack_q4(x, group)
         ref_p, ref_s = quant.q4_quantize(x, group)
-        assert torch.equal(packed, ref_p) and torch.equal(_bits(scales), _bits(ref_s))
+        assert torch.equal(packed, ref_p) and torch.equal(raw_bits(scales), raw_bits(ref_s))
         for out_dtype in DTYPES:
             got = ops.unpack_q4(packed, scales, group, out_dtype)
-            assert torch.equal(_bits(got), _bits(quant.q4_dequantize(ref_p, ref_s, group).to(out_dtype)))
+            assert torch.equal(raw_bits(got), raw_bits(quant.q4_dequantize(ref_p, ref_s, group).to(out_dtype)))
 
 
 def test_pack_into_store_slices():

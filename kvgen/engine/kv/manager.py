@@ -1,0 +1,185 @@
+"""The scheduler's KV memory: the block pool, every sequence's block table, the tables of idle
+sessions, and the warm / cold tiers beneath the pool, behind intent-named verbs.
+
+Only the engine thread calls it (the scheduler owns it, as vLLM's Scheduler owns its
+KVCacheManager), so it takes no locks. A table moves through these states:
+
+    reserve / advance        a running sequence's table grows (and, behind a sliding window or
+                             chunk, frees the blocks no query will read again)
+    release                  a finished request: every block back to the pool
+    preempt                  the pool ran dry: the blocks go back, the sequence is recomputed
+    park                     a session's turn ended: the blocks stay, and while the session is
+                             idle they may be moved down to the warm / cold tiers (demoted)
+    resume                   the session's next turn: keep the prefix it shares, bring tiered
+                             blocks back into the pool (promote)
+    drop                     the session closed: blocks anywhere are freed
+
+What happens to blocks is told to listeners as KVEvents (tracing turns them into span events);
+nothing here knows about requests or spans.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.tiers import Tier, TieredKV
+from kvgen.errors import PoolExhausted
+
+
+@dataclass(slots=True)
+class KVEvent:
+    name: str  # "kv.alloc", "kv.free", "kv.preempt", "kv.retain", "kv.truncate", "kv.promote", ...
+    table: PagedKVCache
+    blocks: list[int] | None = None  # pool block ids the event is about (None: not about blocks)
+    attrs: dict = field(default_factory=dict)
+    t: float = field(default_factory=time.perf_counter)
+
+
+class KVManager:
+    def __init__(self, pool: BlockPool, tiers: TieredKV, warm_bytes: int):
+        self.pool = pool
+        self.tiers = tiers
+        self.warm_bytes = warm_bytes  # past this, demoted blocks go on to disk
+        self._parked: dict[PagedKVCache, None] = {}  # idle sessions' tables, least recently used first
+        self._listeners: list[Callable[[KVEvent], None]] = []
+
+    def listen(self, fn: Callable[[KVEvent], None]) -> None:
+        self._listeners.append(fn)
+
+    def _emit(self, name: str, table: PagedKVCache, blocks: list[int] | None = None, **attrs) -> None:
+        if self._listeners:
+            ev = KVEvent(name, table, blocks, attrs)
+            for fn in self._listeners:
+                fn(ev)
+
+    # what the pool holds
+
+    def new_table(self) -> PagedKVCache:
+        return PagedKVCache(self.pool)
+
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity
+
+    @property
+    def used(self) -> int:
+        return self.pool.used
+
+    def tier_bytes(self, tier: Tier) -> int:
+        return self.tiers.nbytes(tier)
+
+    # a running sequence
+
+    def reserve(self, table: PagedKVCache, n: int) -> bool:
+        """Room for n more tokens in the table, demoting idle sessions' blocks if the pool is
+        short. False (nothing allocated) when even that leaves too little room."""
+        need = table.blocks_needed(n)
+        if need == 0:
+            return True
+        if need > self.pool.available and not self._make_room(need):
+            return False
+        had = len(table.blocks)
+        try:
+            table.reserve(n)
+        except PoolExhausted:
+            return False
+        self._emit("kv.alloc", table, table.blocks[had:], tokens=n)
+        return True
+
+    def advance(self, table: PagedKVCache, n: int, oldest_needed: int = 0) -> None:
+        """n more tokens of the table are written; blocks wholly before position oldest_needed
+        (out of a sliding window or a finished chunk) go back to the pool."""
+        table.advance(n)
+        if oldest_needed:
+            dropped = table.drop_before(oldest_needed)
+            if dropped:
+                self._emit("kv.drop", table, dropped, before=oldest_needed)
+
+    def release(self, table: PagedKVCache) -> None:
+        """The request is over: every block goes back."""
+        blocks, tokens = _held(table), table.length
+        self.tiers.reset(table)
+        self._emit("kv.free", table, blocks, tokens=tokens)
+
+    def preempt(self, table: PagedKVCache) -> None:
+        """The pool ran dry: the blocks go back, and the sequence will be recomputed."""
+        blocks, tokens = _held(table), table.length
+        self.tiers.reset(table)
+        self._emit("kv.preempt", table, blocks, tokens=tokens)
+
+    # sessions
+
+    def park(self, table: PagedKVCache) -> None:
+        """A session's turn is over: its blocks stay for the next turn, and may be demoted to
+        the tiers while it is idle (least recently used session first)."""
+        self._parked.pop(table, None)
+        self._parked[table] = None
+        self.tiers.touch(table)
+        self._emit("kv.retain", table, _held(table), tokens=table.length)
+
+    def resume(self, table: PagedKVCache, keep: int) -> int:
+        """A session's next turn: keep its first `keep` cached tokens (what the new prompt shares
+        with them), with every demoted block back in the pool. With no room to bring them back,
+        the prompt is computed again. Returns the tokens kept."""
+        self._parked.pop(table, None)
+        old, held = table.length, _held(table)
+        parked = self.tiers.parked(table)
+        try:
+            self.tiers.truncate(table, keep)
+        except PoolExhausted:
+            self.tiers.reset(table)
+        if table.length != old:
+            now = set(_held(table))
+            self._emit("kv.truncate", table, [b for b in held if b not in now], tokens_before=old,
+                       tokens_after=table.length)
+        if parked and table.length:
+            self._emit("kv.promote", table, _held(table), tokens=table.length)
+        if table.length:
+            self._emit("kv.prefix_hit", table, _held(table), tokens=table.length)
+        else:
+            self._emit("kv.prefix_miss", table, None, tokens=0)
+        return table.length
+
+    def unresume(self, table: PagedKVCache) -> None:
+        """The turn could not be admitted after all: idle again, its blocks demotable."""
+        self._parked[table] = None
+
+    def drop(self, table: PagedKVCache) -> None:
+        """The session is closed: its blocks, wherever they are, are freed."""
+        self._parked.pop(table, None)
+        blocks, tokens = _held(table), table.length
+        if tokens or self.tiers.parked(table):
+            self.tiers.reset(table)
+            self._emit("kv.evict", table, blocks, tokens=tokens)
+
+    @property
+    def parked_tables(self) -> int:
+        return len(self._parked)
+
+    def _make_room(self, need: int) -> bool:
+        """Demote idle sessions' blocks (least recently read first) until `need` blocks are
+        free, and spill the warm tier past its budget to disk."""
+        idle = [t for t in self._parked if t.length]
+        if not idle:
+            return False
+        before = {t: self.tiers.parked(t) for t in idle}
+        room = self.tiers.make_room(need, only=idle)
+        self.tiers.spill(self.warm_bytes)
+        for t, n in before.items():
+            moved = self.tiers.parked(t) - n
+            if moved:
+                self._emit("kv.demote", t, None, blocks_moved=moved)
+        return room
+
+
+def _held(table: PagedKVCache) -> list[int]:
+    """Blocks the table holds in the pool (dropped or demoted ones are -1)."""
+    return [b for b in table.blocks if b >= 0]

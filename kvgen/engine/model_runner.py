@@ -1,0 +1,192 @@
+"""From a scheduled batch to logits: build the step's inputs from the sequences, run Model.forward
+with the attention backend picked at start-up, hand back float32 logits on the CPU for sampling.
+(The shape of nano-vllm's model_runner.py.)
+
+The backend is picked once, here, by asking kvgen.gpu (the engine's one import of it) whether
+its kernels serve the KV format / head_dim / window / chunk. Where they do (CUDA), decode-only
+steps run Model.forward with KernelAttention over a KernelStep, replayed from a CUDA graph per
+batch-size bucket (kvgen.gpu.graphs); every other step (prefill, mixed, the CPU) runs it with
+TorchAttention over a Step.
+
+A kernel decode step is staged on the host in one int32 buffer, one row per sequence and one
+copy to the device per step (fill_rows):
+    tokens        the new token
+    seq_lens      tokens already cached = the new token's position (-1: padding row)
+    block_tables  the sequence's blocks, padded with -1 to a fixed width (the most blocks a
+                  sequence can have), so every step has the same shapes
+A batch of n rows is padded to the smallest bucket >= n (1, 2, 4, ... up to max_rows) with
+padding rows (token 0, seq_len -1, table all -1): kv_append writes nothing for them,
+flash_decode returns zeros, and their logits are dropped. Padding happens with graphs off too,
+so both run the same kernels on the same shapes and give the same tokens; graphs off is the
+same step run eagerly (the baseline when debugging a capture). The step ends by advancing the
+device-side lengths (GraphRunner copies them back to the step's input); the runner still seeds
+them from the host every step: tokens come from host sampling anyway, and the host stays the
+one source of truth for lengths.
+
+The runner reads the sequences and their caches and changes neither: the engine advances the
+caches after the step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvgen import gpu
+from kvgen.engine.attention import KernelAttention, KernelStep, Step
+from kvgen.engine.model import Model
+from kvgen.gpu import ops as gpu_ops  # imports without CuPy; called only on a kernel step
+from kvgen.gpu.graphs import GraphRunner, buckets_for
+
+Batch = Sequence[tuple]  # (sequence, new tokens this step): the scheduler's batch
+Row = tuple[int, int, Sequence[int]]  # (new token, tokens already cached, block ids)
+
+
+def kernels_serve(device: torch.device, format_name: str, head_dim: int, window: int = 0, chunk: int = 0) -> bool:
+    """Whether decode steps on `device` over this KV format go through the GPU kernels (what
+    the pool's setup needs to know too: the kernels do not read a stage of exact blocks)."""
+    return device.type == "cuda" and gpu.supports(format_name, head_dim, window, chunk)
+
+
+def pick_kernel_attention(device: torch.device, fmt, head_dim: int, window: int = 0, chunk: int = 0,
+                          kernels=None) -> KernelAttention | None:
+    """KernelAttention where the GPU kernels serve this cache, else None (torch attention).
+    kernels: stand-ins for kvgen.gpu.ops that run on the CPU (tests); default the real ones,
+    on CUDA only."""
+    on_device = device.type == "cuda" or kernels is not None  # stand-ins run wherever their tensors are
+    # the kernels read only the quantized store, not the stage that keeps recent blocks exact
+    if not on_device or fmt.recent_slots or not gpu.supports(fmt.name, head_dim, window, chunk):
+        return None
+    return KernelAttention(kernels or gpu_ops)
+
+
+def fill_rows(buf: np.ndarray, rows: Sequence[Row], bucket: int) -> None:
+    """Stage a step in buf[:bucket] ([*, 2 + width] int32): column 0 the token, 1 the tokens
+    already cached, 2.. the block table padded with -1. Rows len(rows)..bucket are padding
+    (token 0 keeps the embedding lookup in range; seq_len -1 and an all -1 table make the
+    kernels skip them). Every staged row is rewritten: buf is reused across steps."""
+    width = buf.shape[1] - 2
+    for i, (token, cached, blocks) in enumerate(rows):
+        nb = len(blocks)
+        if nb > width:
+            raise ValueError(f"a sequence holds {nb} blocks, more than the {width} a step can stage")
+        buf[i, 0] = token
+        buf[i, 1] = cached
+        buf[i, 2:2 + nb] = blocks
+        buf[i, 2 + nb:] = -1
+    buf[len(rows):bucket] = -1
+    buf[len(rows):bucket, 0] = 0
+
+
+class ModelRunner:
+    """Runs `model` over a pool's `store` of format `fmt` (see the module doc).
+
+    window, chunk: the attention span (sliding window / chunked; 0 = off).
+    cuda_graphs: capture / replay kernel decode steps (False: the same padded step, eagerly).
+    max_rows: the most sequences in a step (the scheduler's max_running), sets the buckets.
+    width: block-table columns of a kernel step (the most blocks one sequence can hold;
+        default: enough for the model's context).
+    kernels: see pick_kernel_attention.
+    """
+
+    def __init__(self, model: Model, fmt, store: dict, *, window: int = 0, chunk: int = 0,
+                 cuda_graphs: bool = True, max_rows: int = 64, width: int | None = None, kernels=None):
+        self.model, self.fmt, self.store = model, fmt, store
+        self.device = model.device
+        self.window, self.chunk = window, chunk
+        self.width = width or -(-model.cfg.context_length // fmt.block_size)
+        self.kernel_attention = pick_kernel_attention(self.device, fmt, model.cfg.head_dim, window, chunk, kernels)
+        self.graphs: GraphRunner | None = None
+        if self.kernel_attention is not None:
+            # Buckets are captured lazily, on the first step of each size: the warm-up run before
+            # a capture writes the same K/V to the same slots as the replay after it (fp8 too: the
+            # second write of a row finds the block's scale already grown), so real inputs do.
+            self.graphs = GraphRunner(self._kernel_forward, buckets=buckets_for(max_rows),
+                                      pad_values={"tokens": 0, "seq_lens": -1, "block_tables": -1},
+                                      inplace=("seq_lens",), enabled=cuda_graphs)
+        self._staging = torch.empty((0, 2 + self.width), dtype=torch.int32)
+        self.seq_lens: torch.Tensor | None = None  # the last kernel step's lengths, advanced on the device
+
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each
+        sequence's last new token; writes the new tokens' K/V into the store."""
+        if self.kernel_attention is not None and all(n == 1 for _, n in batch):
+            logits = self._decode_with_kernels(batch)
+        else:
+            logits = self._forward(batch)
+        return logits.cpu() if logits.is_cuda else logits  # sampling runs on the CPU
+
+    # ---- TorchAttention: any step ----
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        ids, positions, blocks, offsets, qlens, ctx, rows, tables, starts = [], [], [], [], [], [], [], [], []
+        row = -1
+        for seq, n in batch:
+            start = seq.cache.length
+            ids.extend(seq.tokens[start:start + n])
+            positions.append(torch.arange(start, start + n))
+            b, o = seq.cache.slots(start, n)
+            blocks.append(b)
+            offsets.append(o)
+            qlens.append(n)
+            ctx.append(start + n)
+            row += n
+            rows.append(row)
+            tables.append(seq.cache.live_blocks)
+            starts.append(seq.cache.kv_start)
+        width = max(len(t) for t in tables)
+        step = Step(
+            positions=torch.cat(positions),
+            write_blocks=torch.cat(blocks),
+            write_offsets=torch.cat(offsets),
+            query_lens=qlens,
+            context_lens=ctx,
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
+            logits_rows=torch.tensor(rows),
+            is_decode=all(n == 1 for n in qlens),
+            kv_starts=starts if any(starts) else None,
+            window=self.window,
+            chunk=self.chunk,
+        )
+        input_ids = torch.tensor(ids)
+        if self.device.type != "cpu":
+            step, input_ids = _to_device(step, self.device), input_ids.to(self.device)
+        return self.model.forward(input_ids, step, self.fmt, self.store)
+
+    # ---- KernelAttention: decode-only steps, through CUDA graphs ----
+
+    def _decode_with_kernels(self, batch: Batch) -> torch.Tensor:
+        rows = [(seq.tokens[seq.cache.length], seq.cache.length, seq.cache.blocks) for seq, _ in batch]
+        n = len(rows)
+        bucket = self.graphs.bucket_for(n) or n  # past the largest bucket: eager and unpadded
+        if self._staging.shape[0] < bucket:
+            # pinned: a faster copy; reuse is safe because the copy below is synchronous
+            self._staging = torch.empty((bucket, 2 + self.width), dtype=torch.int32,
+                                        pin_memory=self.device.type == "cuda")
+        fill_rows(self._staging.numpy(), rows, bucket)
+        staged = self._staging[:bucket].to(self.device)
+        inputs = {"tokens": staged[:, 0].contiguous(), "seq_lens": staged[:, 1].contiguous(),
+                  "block_tables": staged[:, 2:].contiguous()}
+        # inference mode on every call: the graph runner's static copies are made inside it, and
+        # inference tensors may only be updated in place under it
+        with torch.inference_mode():
+            logits = self.graphs(inputs)
+        self.seq_lens = inputs["seq_lens"][:n]
+        return logits[:n]
+
+    def _kernel_forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Model.forward over staged device inputs only: what the graph runner captures."""
+        step = KernelStep.of(inputs["block_tables"], inputs["seq_lens"])
+        logits = self.model.forward(inputs["tokens"].long(), step, self.fmt, self.store, self.kernel_attention)
+        self.kernel_attention.advance(step)  # after the last layer has read the lengths
+        return logits
+
+
+def _to_device(step: Step, device: torch.device) -> Step:
+    return dataclasses.replace(
+        step, positions=step.positions.to(device), write_blocks=step.write_blocks.to(device),
+        write_offsets=step.write_offsets.to(device), block_tables=step.block_tables.to(device),
+        logits_rows=step.logits_rows.to(device))

@@ -1,0 +1,64 @@
+"""Nothing blocks the server's event loop: with asyncio's debug mode on and a 100 ms threshold,
+the service's traffic of every kind (unary, streams, cancels, deadlines, batches, session turns,
+a cancelled turn and the turn after it) never holds the loop."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from kvgen.client import request
+from kvgen.v1 import generate_pb2 as pb
+from kvgen.v1 import generate_pb2_grpc as pb_grpc
+
+from .loopwatch import slow_callbacks
+
+
+@pytest.fixture(scope="module")
+def watched(start_server):
+    """A tiny-model server whose loop runs in debug mode; the test says what traffic it gets."""
+    return start_server()
+
+
+def test_the_watch_sees_a_blocking_callback(watched):
+    """The helper itself: a callback that sleeps on the loop is reported."""
+    with slow_callbacks(watched.loop) as slow:
+        watched.loop.call_soon_threadsafe(time.sleep, 0.25)
+        time.sleep(0.5)
+    assert len(slow) == 1 and "took 0.2" in slow[0], slow
+
+
+def test_plain_traffic_never_blocks_the_loop(watched):
+    with slow_callbacks(watched.loop) as slow, watched.channel() as ch:
+        stub = pb_grpc.GeneratorStub(ch)
+        stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+        stub.Generate(request("Hello there", max_new_tokens=8, temperature=0.0), timeout=30)
+        list(stub.GenerateStream(request([{"role": "user", "content": "Hi"}], max_new_tokens=8), timeout=30))
+        stub.BatchGenerate(pb.BatchGenerateRequest(requests=[request("a b c", max_new_tokens=4)] * 4), timeout=30)
+        call = stub.GenerateStream(request("Once", max_new_tokens=2000, ignore_eos=True), timeout=30)
+        next(call)
+        call.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(stub.GenerateStream(request("Once", max_new_tokens=2000, ignore_eos=True), timeout=0.2))
+        with pytest.raises(grpc.RpcError):
+            stub.Generate(request("x", temperature=float("inf")), timeout=10)
+        time.sleep(0.3)  # the cancelled calls' cleanup runs on the loop too
+    assert not slow, slow
+
+
+def test_session_turns_never_block_the_loop(watched):
+    with slow_callbacks(watched.loop) as slow, watched.channel() as ch:
+        stub = pb_grpc.GeneratorStub(ch)
+        sid = stub.CreateSession(pb.CreateSessionRequest(), timeout=10).session_id
+        turn = lambda text, **kw: request([{"role": "user", "content": text}], session_id=sid, **kw)  # noqa: E731
+        stub.Generate(turn("Hello", max_new_tokens=4), timeout=30)
+        for _ in range(3):  # a turn cancelled mid-stream, then the next turn at once
+            call = stub.GenerateStream(turn("Go on", max_new_tokens=500, ignore_eos=True), timeout=30)
+            next(call)
+            call.cancel()
+            stub.Generate(turn("And?", max_new_tokens=4), timeout=30)
+        stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
+        time.sleep(0.3)
+    assert not slow, slow

@@ -1,0 +1,106 @@
+"""The package's layering, read from the source: no module imports a layer above its own, and
+the import graph has no cycle. Layers, bottom up:
+
+    errors                          leaf: imports nothing of kvgen's
+    gpu                             kernels and their references; knows nothing of the engine
+    engine.kv                       blocks, formats, tiers, the KV manager; no engine module
+    engine (model, scheduler, ...)  the engine proper; never the API modules
+    engine API                      generator, session, request, bridge (what callers use)
+    service                         the gRPC server; the only layer that imports kvgen.v1
+    client, cli                     talk to a server over gRPC only
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+API = {"kvgen.engine.generator", "kvgen.engine.session", "kvgen.engine.request", "kvgen.engine.bridge"}
+
+
+def layer(mod: str) -> int:
+    if mod == "kvgen.errors":
+        return 0
+    if mod.startswith("kvgen.gpu"):
+        return 1
+    if mod.startswith("kvgen.engine.kv"):
+        return 2
+    if mod in API:
+        return 4
+    if mod.startswith("kvgen.engine"):
+        return 3
+    if mod.startswith(("kvgen.service", "kvgen.v1")):
+        return 5
+    return 6  # kvgen.client, kvgen.cli, kvgen itself
+
+
+def modules() -> dict[str, Path]:
+    out = {}
+    for path in (ROOT / "kvgen").rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        if not name.startswith("kvgen.v1"):  # generated stubs
+            out[name] = path
+    return out
+
+
+def imports(path: Path, known: set[str]) -> set[str]:
+    """kvgen modules a file imports (at any depth: lazy imports count too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            # `from pkg import mod` imports pkg.mod; `from mod import name` imports mod
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module
+                     for a in node.names]
+        for n in names:
+            while n and n not in known:
+                n = n.rpartition(".")[0]
+            if n.startswith("kvgen") and n != "kvgen":
+                found.add(n)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {m: imports(p, set(mods)) - {m} for m, p in mods.items()}
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = sorted(f"{m} -> {d}" for m, deps in graph().items() for d in deps if layer(d) > layer(m))
+    assert not upward, "\n".join(upward)
+
+
+def test_client_code_reaches_the_server_through_grpc_only():
+    for m in ("kvgen.client", "kvgen.cli"):
+        engine = sorted(d for d in graph().get(m, ()) if d.startswith(("kvgen.engine", "kvgen.service")))
+        assert not engine, f"{m} imports {engine}"
+
+
+def test_the_import_graph_has_no_cycle():
+    g = graph()
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(g.get(m, ())):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d, [*path, d])
+        state[m] = 2
+
+    for m in sorted(g):
+        if m not in state:
+            visit(m, [m])
+
+
+def test_the_engine_reaches_gpu_through_one_module():
+    """The model runner picks the attention backend (kernels or torch); the KV package may use the
+    packing kernels for its warm tier, below the engine."""
+    users = sorted(m for m, deps in graph().items() if m.startswith("kvgen.engine")
+                   and not m.startswith("kvgen.engine.kv") and any(d.startswith("kvgen.gpu") for d in deps))
+    assert users == ["kvgen.engine.model_runner"], users
