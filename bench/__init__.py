@@ -1,1 +1,1 @@
-"""Benchmarks; a package so tests can reuse their evaluation code (tests/test_kv_quality.py)."""
+"""Benchmarks; a package so tests can reuse their evaluation code (tests/kv/test_quality.py)."""

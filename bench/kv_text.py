@@ -1,4 +1,4 @@
-"""Evaluation text for bench/kv.py and tests/test_kv_quality.py, written for this project.
+"""Evaluation text for bench/kv.py and tests/kv/test_quality.py, written for this project.
 
 EVAL_TEXT is original English prose (no downloads, nothing the model could have memorised
 verbatim), several registers in a row: narrative, explanation, instructions, a letter,

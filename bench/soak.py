@@ -182,6 +182,10 @@ def write_table(path: Path, rows: list[dict], done: list[Done], samples: list, a
         f"{args.max_new_tokens} tokens) and sends the next at once; {args.cancel_rate:.0%} cancel after 1-8 "
         "messages. TTFT as the client sees it; RSS of the server process; blocks from /metrics.",
         "",
+        f"Load average (1 min) at the start {idle['load'][0]:.2f}, at the end {idle['load'][1]:.2f}: a start "
+        "above ~0.5 means something else shared the cores, and torch's threads then slow down far more than "
+        "in proportion.",
+        "",
         f"- requests finished: {len(done)} ({len(done) / args.duration:.2f}/s), cancelled "
         f"{sum(d.cancelled for d in done)}, errors {sum(bool(d.error) for d in done)} {errors or ''}",
         f"- TTFT p50 {pct(ttfts, 0.5) * 1e3:.0f} ms, p99 {pct(ttfts, 0.99) * 1e3:.0f} ms",
@@ -256,6 +260,7 @@ def main() -> None:
         done: list[Done] = []
         samples: list = []
         lock = threading.Lock()
+        load_start = os.getloadavg()[0]
         t0 = time.monotonic()
         until = t0 + args.duration
         threads = [threading.Thread(target=client, args=(target, i, until, args, done, lock), daemon=True)
@@ -269,7 +274,7 @@ def main() -> None:
         time.sleep(1)  # the last cancellations reach the engine; then the idle state is read
         m = scrape(metrics_port)
         idle = {"blocks": m["kvgen_kv_blocks_used"], "running": m["kvgen_requests_running"],
-                "waiting": m["kvgen_requests_waiting"]}
+                "waiting": m["kvgen_requests_waiting"], "load": (load_start, os.getloadavg()[0])}
         done = [d for d in done if d.end <= until]  # the window rows count what ended inside the run
         rows = windows(done, samples, t0, args.duration, args.window)
         write_table(args.out_dir / "soak.md", rows, done, samples, args, int(total), idle)

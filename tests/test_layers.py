@@ -104,3 +104,18 @@ def test_the_engine_reaches_gpu_through_one_module():
     users = sorted(m for m, deps in graph().items() if m.startswith("kvgen.engine")
                    and not m.startswith("kvgen.engine.kv") and any(d.startswith("kvgen.gpu") for d in deps))
     assert users == ["kvgen.engine.model_runner"], users
+
+
+def test_every_module_is_reached_from_the_server():
+    """What `make serve` runs (kvgen.service.server) reaches every module through its imports,
+    lazy ones included; the client side has its own entry points (client, cli)."""
+    g = graph()
+    seen, todo = set(), ["kvgen.service.server", "kvgen.client", "kvgen.cli"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(g.get(m, ()))
+            todo.extend(p for p in g if m.startswith(p + "."))  # a module's package runs its __init__
+    unreached = sorted(set(g) - seen)
+    assert not unreached, unreached

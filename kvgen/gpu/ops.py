@@ -16,7 +16,8 @@ memory; the kernels decode the bits). Scalars are passed as np.int32 / np.float3
 kernel parameter sizes match. No function here reads a device value on the host: nothing
 syncs, which is what makes the decode step capturable.
 
-A decode step, with seq_lens[b] = tokens already cached for row b (-1 for padding rows):
+A decode step (the engine's Model.forward with attention.KernelAttention), with seq_lens[b] =
+tokens already cached for row b (-1 for padding rows):
     for layer in layers:
         kv_append(fmt, store, layer, k, v, block_tables, seq_lens)        # writes at seq_lens[b]
         out = flash_decode(q, fmt, store, layer, block_tables, seq_lens, len_offset=1)

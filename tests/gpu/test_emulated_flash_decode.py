@@ -12,7 +12,7 @@ from tests.gpu.helpers import DTYPES, FORMATS, paged
 @pytest.mark.parametrize("gqa", (1, 3, 8, 12))
 @pytest.mark.parametrize("name", FORMATS)
 def test_emulated_flash_decode_matches_reference(emulated, name, gqa):
-    from kvgen.gpu.reference import paged_decode_reference
+    from tests.gpu.reference import paged_decode_reference
 
     ops = emulated
     # (block size, head_dim, kv heads, q dtype) vary with the case; lengths hit block edges,

@@ -11,7 +11,7 @@ from tests.gpu.helpers import DTYPES, FORMATS, assert_same_store, paged
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_emulated_kv_append_matches_format_write(emulated, name):
-    from kvgen.gpu.reference import kv_append_reference
+    from tests.gpu.reference import kv_append_reference
 
     ops = emulated
     bs, hd = 8, 64

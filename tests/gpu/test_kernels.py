@@ -2,7 +2,7 @@
 
 Skipped without a CUDA device, CuPy or Numba. Stores are compared byte for byte after
 kv_append (it must do exactly what KVFormat.write does), the pack kernels bit-exactly, and
-flash_decode within float tolerance of kvgen.gpu.reference.paged_decode_reference (which reads
+flash_decode within float tolerance of tests.gpu.reference.paged_decode_reference (which reads
 the same dequantised values through KVFormat.read, so only the summation order differs).
 """
 
@@ -92,7 +92,7 @@ class Paged:
 @pytest.mark.parametrize("block_size,hd", [(16, 64), (8, 96), (4, 256)])
 def test_kv_append_matches_format_write(name, in_dtype, block_size, hd):
     from kvgen.gpu import ops
-    from kvgen.gpu.reference import kv_append_reference
+    from tests.gpu.reference import kv_append_reference
 
     bs = block_size
     # New token positions: block starts and ends, odd ones, a padding row (-1), a position past
@@ -164,7 +164,7 @@ TOL = {torch.float32: dict(atol=3e-4, rtol=3e-4), torch.float16: dict(atol=2e-3,
 @pytest.mark.parametrize("name", FORMATS)
 def test_flash_decode_matches_reference(name, gqa, q_dtype):
     from kvgen.gpu import ops
-    from kvgen.gpu.reference import paged_decode_reference
+    from tests.gpu.reference import paged_decode_reference
 
     for block_size, hd, kvh in ((16, 128, 2), (8, 64, 1), (16, 96, 2), (4, 256, 1), (16, 32, 3)):
         lens = [1, block_size, block_size + 1, 2 * block_size - 1, 1001, 0, 333]
@@ -190,7 +190,7 @@ def test_flash_decode_matches_reference(name, gqa, q_dtype):
 def test_flash_decode_many_heads_per_kv_head_and_big_batch():
     """12 query heads per kv head (two head chunks) and a batch that needs no split."""
     from kvgen.gpu import ops
-    from kvgen.gpu.reference import paged_decode_reference
+    from tests.gpu.reference import paged_decode_reference
 
     lens = [(i * 37) % 300 + 1 for i in range(70)]
     paged = Paged("fp16", lens, block_size=16, hd=128, kvh=2, layers=1)
@@ -204,7 +204,7 @@ def test_flash_decode_many_heads_per_kv_head_and_big_batch():
 def test_kernels_run_on_torch_current_stream():
     """Work queued on a side stream right before the kernels must be visible to them."""
     from kvgen.gpu import ops
-    from kvgen.gpu.reference import paged_decode_reference
+    from tests.gpu.reference import paged_decode_reference
 
     paged = Paged("fp16", [700, 300], layers=1, hd=128, kvh=2)
     ctx = torch.tensor([700, 300], dtype=torch.int32, device=DEV)

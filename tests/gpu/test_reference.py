@@ -8,7 +8,7 @@ import torch
 
 def test_paged_decode_reference_matches_dense_attention():
     from kvgen.engine.kv.formats import make_format
-    from kvgen.gpu.reference import kv_append_reference, paged_decode_reference
+    from tests.gpu.reference import kv_append_reference, paged_decode_reference
 
     g = torch.Generator().manual_seed(4)
     fmt = make_format("fp32", 1, 4, 2, 8)

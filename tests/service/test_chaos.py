@@ -17,7 +17,7 @@ from kvgen.client import request
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import free_port
-from tests.test_serve import ROOT, wait_serving
+from tests.service.test_serve import ROOT, wait_serving
 from tests.tiny import tiny_bpe_tokenizer, tiny_config, tiny_weights, write_gguf
 
 # A dead server's socket is reset at once on loopback; give slow CI room, never a hang's worth.

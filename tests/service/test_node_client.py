@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-NODE_DIR = Path(__file__).resolve().parent.parent / "clients" / "node"
+NODE_DIR = Path(__file__).resolve().parents[2] / "clients" / "node"
 
 pytestmark = pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None,
                                 reason="node and npm are needed for the Node.js client")

@@ -20,8 +20,8 @@ from kvgen.engine.model import Model
 from kvgen.engine.model_runner import ModelRunner, fill_rows, pick_kernel_attention
 from kvgen.engine.sampling import SamplingParams
 from kvgen.gpu.graphs import GraphRunner, buckets_for
-from kvgen.gpu.reference import kv_append_reference, paged_decode_reference
 from tests.gpu import emulator
+from tests.gpu.reference import kv_append_reference, paged_decode_reference
 from tests.tiny import tiny_config, tiny_weights
 
 # fixtures: kvgen.gpu.ops with its CUDA C kernels compiled for and run on the host

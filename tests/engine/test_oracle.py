@@ -68,7 +68,7 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 def test_greedy_continuations_equal_transformers(gen, hf_model):
     hf, _ = hf_model
-    prompts = [gen.prompt_ids(p) for p in RAW] + [gen.prompt_ids(c) for c in CHATS]
+    prompts = [gen.tokenize(p) for p in RAW] + [gen.tokenize(c) for c in CHATS]
     results = gen.batch_generate(prompts, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
     for ids, r in zip(prompts, results, strict=True):
         assert len(r.token_ids) == 32

@@ -148,7 +148,7 @@ print("kernel codecs ok")
 
 def test_warm_codecs_on_the_numba_kernels_match_torch_bit_exactly(tmp_path):
     pytest.importorskip("numba")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = tmp_path / "check.py"
     script.write_text(textwrap.dedent(KERNEL_CODEC_CHECK))
     env = {**os.environ, "NUMBA_ENABLE_CUDASIM": "1",

@@ -24,7 +24,7 @@ from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
-from tests.test_oracle import hf_greedy, run_chunks
+from tests.engine.test_oracle import hf_greedy, run_chunks
 from tests.tiny import (
     CHATML_TEMPLATE,
     gguf_quantize,

@@ -15,8 +15,7 @@ from kvgen.client import Client, request
 from kvgen.engine.kv.tiers import Tier
 from kvgen.engine.sampling import SamplingParams
 from kvgen.v1 import generate_pb2 as pb
-
-from .conftest import ServerThread
+from tests.conftest import ServerThread
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 TOPICS = ["the sea", "a cat", "rain", "music", "bread", "a city", "winter", "trees", "the moon", "coffee",

@@ -23,8 +23,7 @@ from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.service.tracing import Tracing, exporters_from_env
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
-
-from .conftest import ServerThread
+from tests.conftest import ServerThread
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"

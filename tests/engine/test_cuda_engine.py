@@ -29,8 +29,8 @@ from kvgen.engine.loader import embedded_model_path
 from kvgen.engine.model import Model
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import SamplingParams
-from tests.test_cuda_decode import _compare_decode, _prefill, _sequences
-from tests.test_oracle import CHATS, RAW
+from tests.engine.test_model_runner import _compare_decode, _prefill, _sequences
+from tests.engine.test_oracle import CHATS, RAW
 from tests.tiny import tiny_config, tiny_weights
 
 

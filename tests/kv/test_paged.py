@@ -21,8 +21,7 @@ from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Sequence
-
-from .tiny import tiny_config, tiny_weights
+from tests.tiny import tiny_config, tiny_weights
 
 
 def reference(q, k, v, causal_offset):

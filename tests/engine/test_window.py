@@ -10,14 +10,15 @@ import torch
 from kvgen.engine.attention import Step, attend
 from kvgen.engine.engine import Engine
 from kvgen.engine.kv.formats import make_format
+from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Sequence
-
-from .tiny import tiny_config, tiny_weights
+from tests.tiny import tiny_config, tiny_weights
 
 
 def masked_reference(q, k, v, q_pos, window, chunk):
@@ -97,12 +98,14 @@ def test_endless_stream_keeps_memory_bounded(tiny, embedded, window, chunk):
     cfg = tiny.cfg
     fmt = make_format("fp32", cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)
     pool = BlockPool(fmt, 64)
-    engine = Engine(tiny, pool, Scheduler(token_budget=16), window=window, chunk=chunk)
+    engine = Engine(tiny, pool, Scheduler(KVManager(pool, TieredKV(pool), warm_bytes=0), token_budget=16),
+                    window=window, chunk=chunk)  # not started: steps are run here
     prompt, n_new = list(range(300, 340)), 260  # 300 tokens: 75 blocks of 4 without freeing
     seq = Sequence(prompt, SamplingParams(temperature=0, max_new_tokens=n_new, ignore_eos=True), tok, [2],
                    lambda ev: None, PagedKVCache(pool))
     engine.submit(seq)
-    peak = 0
+    engine.step()  # takes seq from the inbox: the engine is busy from here on
+    peak = pool.used
     while not engine.idle:
         engine.step()
         peak = max(peak, pool.used)

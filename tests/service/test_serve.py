@@ -17,10 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgen.client import Client
 from kvgen.v1 import generate_pb2 as pb
+from tests.conftest import free_port
 
-from .conftest import free_port
-
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180) -> None:
