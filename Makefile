@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-slow test-gpu protos lint bench bench-kv bench-gpu bench-soak clean
+.PHONY: serve test test-slow test-gpu protos lint bench bench-kv bench-gpu bench-soak bench-ab clean
 
 serve: $(STAMP) $(STUBS)
 	$(PY) -m kvgen.service.server
@@ -63,6 +63,11 @@ bench-kv: $(STAMP) $(STUBS)
 
 bench-gpu: $(STAMP) $(STUBS)
 	$(PY) bench/gpu.py
+
+# The engine at BASE (a git revision; default HEAD) against the working tree, alternating rounds.
+BASE ?= HEAD
+bench-ab: $(STAMP) $(STUBS)
+	$(PY) bench/ab.py --base $(BASE)
 
 # requests/s, TTFT, RSS and KV blocks over 10 minutes against `make serve` (SOAK_ARGS="--duration 60")
 bench-soak: $(STAMP) $(STUBS)

@@ -12,9 +12,10 @@ from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
 
 def request(prompt: str | list[dict] | list[int], session_id: str = "", request_id: str = "",
-            **sampling) -> pb.GenerateRequest:
+            cache_salt: str = "", **sampling) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt (text, chat messages or token ids) and sampling fields."""
-    req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), session_id=session_id, request_id=request_id)
+    req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), session_id=session_id, request_id=request_id,
+                             cache_salt=cache_salt)
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt and isinstance(prompt[0], dict):

@@ -24,6 +24,7 @@ from kvgen.engine.engine import Engine
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.model import Model
 from kvgen.engine.model_runner import kernels_serve
@@ -85,9 +86,14 @@ class Generator:
         self.model = model
         self.pool = in_fresh_thread(_make_pool, model, tokenizer, opts)  # see threads.py
         self.tiers = TieredKV(self.pool, codec=opts.kv_warm_codec, cold_dir=opts.kv_cold_dir or None)
-        kv = KVManager(self.pool, self.tiers, warm_bytes=int(opts.kv_warm_mb * 2**20))
-        self.scheduler = Scheduler(kv, opts.token_budget, opts.max_running)
         window = opts.attention_window or cfg.sliding_window or 0
+        # Blocks behind a sliding window (or a finished chunk) are freed while a request runs,
+        # so its prompt's blocks are not all there to share: no prefix cache then.
+        prefix = None
+        if opts.prefix_cache and not (window or opts.attention_chunk):
+            prefix = PrefixCache(self.pool, self.tiers, tier_bytes=int(opts.prefix_cache_tier_mb * 2**20))
+        kv = KVManager(self.pool, self.tiers, warm_bytes=int(opts.kv_warm_mb * 2**20), prefix=prefix)
+        self.scheduler = Scheduler(kv, opts.token_budget, opts.max_running)
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
                              cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting)
         self.sessions: dict[str, Session] = {}
@@ -152,12 +158,13 @@ class Generator:
             raise InvalidRequest(bad)
 
     async def request(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                      request_id: str = "") -> Request:
-        """Submit one request (not in a session). Raises InvalidRequest or Overloaded."""
-        return self.submit(await self.prompt_ids(prompt), sampling, request_id)
+                      request_id: str = "", cache_salt: str = "") -> Request:
+        """Submit one request (not in a session). Raises InvalidRequest or Overloaded.
+        cache_salt: the prefix cache shares blocks only between requests with the same salt."""
+        return self.submit(await self.prompt_ids(prompt), sampling, request_id, cache_salt=cache_salt)
 
     def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
-               session: Session | None = None, keep: int = 0) -> Request:
+               session: Session | None = None, keep: int = 0, cache_salt: str = "") -> Request:
         """Hand token ids to the engine; call on the event loop that will read the Request."""
         params = sampling or SamplingParams()
         self.check(ids, params)
@@ -165,7 +172,7 @@ class Generator:
         table = session.cache if session else self.scheduler.kv.new_table()
         seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, req.deliver, table,
                        request_id or uuid.uuid4().hex, keep_kv=session is not None,
-                       resume_from=keep if session else None, on_release=req.on_release)
+                       resume_from=keep if session else None, on_release=req.on_release, cache_salt=cache_salt)
         req.bind(seq, lambda: self.engine.cancel(seq))
         self.engine.submit(seq)
         return req

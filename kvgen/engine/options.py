@@ -30,6 +30,10 @@ class EngineOptions:
     kv_warm_mb: float = setting(256.0, "host memory for idle sessions' blocks pushed out of the pool; beyond it, disk")
     kv_warm_codec: str = setting("raw", "warm-tier codec for idle sessions' blocks moved out of the pool: raw = "
                                         "exact bytes; fp8 / q4 = smaller, lossy, for plain fp32/fp16/bf16 pools")
+    prefix_cache: bool = setting(True, "share the KV blocks of prompts' common starts across requests (off with a "
+                                       "sliding window or chunked attention)")
+    prefix_cache_tier_mb: float = setting(256.0, "host memory and disk for prefix-cache blocks moved out of the "
+                                                 "pool; past it the least recently used are dropped")
     kv_cold_dir: str = setting("", "where cold blocks go (empty: a temp dir, removed on close)", shown="a temp dir")
     threads: int = setting(0, "torch threads (0: every core)", shown="all cores")
     attention_window: int = setting(0, "sliding-window attention over the last N positions (0: the model's own)",

@@ -43,7 +43,7 @@ class Scheduler:
         if seq.keep_kv:
             self.kv.park(seq.cache)
         else:
-            self.kv.release(seq.cache)
+            self.kv.release(seq.cache, seq.cache_salt, seq.tokens)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget = self.token_budget
@@ -77,11 +77,16 @@ class Scheduler:
         prefix it shares with the session's cache."""
         if seq.resume_from is not None:
             seq.cached_tokens = self.kv.resume(seq.cache, seq.resume_from)
+        elif not seq.keep_kv:  # a request of its own: the prefix cache may hold its start
+            seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens), len(seq.prompt_ids))
         if self.kv.reserve(seq.cache, min(seq.pending, budget)):
             seq.resume_from = None
             return True
         if seq.resume_from is not None:  # waits with its prefix, which stays demotable meanwhile
             self.kv.unresume(seq.cache)
+        elif not seq.keep_kv and seq.cache.blocks:  # waits holding nothing; matched again next time
+            self.kv.release(seq.cache)
+            seq.cached_tokens = 0
         return False
 
     def _reserve_running(self, seq: Sequence, n: int) -> bool:
@@ -95,7 +100,10 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.kv.preempt(seq.cache)
+        if seq.keep_kv:
+            self.kv.preempt(seq.cache)
+        else:
+            self.kv.preempt(seq.cache, seq.cache_salt, seq.tokens)
         seq.cached_tokens = 0
         seq.preemptions += 1
         self.preemptions += 1

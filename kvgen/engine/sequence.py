@@ -59,11 +59,12 @@ class Sequence:
     """keep_kv: a session's turn, whose blocks stay for the next turn (parked, not released).
     resume_from: for such a turn, how many of the session's cached tokens the prompt shares;
     the scheduler keeps those when it admits the turn (None once admitted, or not a session).
-    on_release: called on the engine thread once the engine has let go of the KV blocks."""
+    on_release: called on the engine thread once the engine has let go of the KV blocks.
+    cache_salt: the prefix cache shares blocks only between requests with the same salt."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: TextTokenizer,
                  eos_ids: list[int], emit, cache: PagedKVCache, request_id: str = "", *,
-                 keep_kv: bool = False, resume_from: int | None = None, on_release=None):
+                 keep_kv: bool = False, resume_from: int | None = None, on_release=None, cache_salt: str = ""):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -73,6 +74,7 @@ class Sequence:
         self.cache = cache
         self.cached_tokens = 0  # prompt tokens whose KV a session had cached (set at admission)
         self.keep_kv = keep_kv
+        self.cache_salt = cache_salt  # requests share prefix-cache blocks only under the same salt
         self.resume_from = resume_from
         self.on_release = on_release
         self.tokenizer = tokenizer

@@ -61,6 +61,8 @@ def check_request(req: pb.GenerateRequest, settings: Settings | None = None) -> 
         bad += session_id_violations(req.session_id)
     if len(req.request_id) > MAX_ID_CHARS:
         bad.append(("request_id", f"is {len(req.request_id)} characters; at most {MAX_ID_CHARS}"))
+    if len(req.cache_salt) > MAX_ID_CHARS:
+        bad.append(("cache_salt", f"is {len(req.cache_salt)} characters; at most {MAX_ID_CHARS}"))
     bad += [(f"sampling.{f}", d) for f, d in sampling_of(req).validate()]
     if bad:
         raise InvalidRequest(bad)

@@ -12,6 +12,7 @@ import time
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvgen.engine.kv.tiers import Tier
 from kvgen.engine.sequence import FinishReason, Sequence
@@ -65,11 +66,13 @@ class Metrics:
     def bind(self, gen) -> None:
         """Gauges over gen's pool, scheduler and sessions, read at scrape time."""
         r, pool, sched = self.registry, gen.pool, gen.scheduler
-        Gauge("kvgen_kv_blocks_used", "KV blocks allocated", registry=r).set_function(lambda: pool.used)
+        kv = sched.kv
+        Gauge("kvgen_kv_blocks_used", "KV blocks held by requests and sessions (blocks only the prefix cache "
+              "holds count as free)", registry=r).set_function(lambda: kv.used)
         Gauge("kvgen_kv_blocks_total", "KV blocks in the pool",
               registry=r).set_function(lambda: pool.capacity)
         Gauge("kvgen_kv_cache_usage_ratio", "Fraction of KV blocks allocated",
-              registry=r).set_function(lambda: pool.used / pool.capacity)
+              registry=r).set_function(lambda: kv.used / pool.capacity)
         Gauge("kvgen_requests_running", "Requests in the running batch",
               registry=r).set_function(lambda: len(sched.running))
         Gauge("kvgen_requests_waiting", "Requests waiting for admission",
@@ -79,11 +82,12 @@ class Metrics:
               registry=r).set_function(lambda: pool.exact_blocks_used)
         Gauge("kvgen_kv_exact_blocks_total", "Slots for exact newest blocks (0: plain KV format)",
               registry=r).set_function(lambda: pool.exact_blocks_total)
-        kv = sched.kv
         tier_bytes = Gauge("kvgen_kv_tier_bytes", "Bytes of idle sessions' KV blocks moved out of the pool, by tier",
                            ["tier"], registry=r)
         tier_bytes.labels("warm").set_function(lambda: kv.tier_bytes(Tier.WARM))
         tier_bytes.labels("cold").set_function(lambda: kv.tier_bytes(Tier.COLD))
+        if kv.prefix is not None:
+            r.register(_PrefixCollector(kv.prefix))
         self._sched = sched
         self._model = {h: h.labels(gen.cfg.name) for h in (self.ttft, self.tpot, self.duration)}
 
@@ -119,6 +123,29 @@ class Metrics:
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         return start_http_server(port, addr=host, registry=self.registry)
+
+
+class _PrefixCollector:
+    """The prefix cache's counts, read at scrape time (the engine thread keeps them)."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+
+    def collect(self):
+        s = self.prefix.stats
+        for name, doc, value in (
+                ("kvgen_prefix_cache_hits", "Requests that reused prefix-cache blocks", s.hits),
+                ("kvgen_prefix_cache_misses", "Requests that found none of their prompt cached", s.misses),
+                ("kvgen_prefix_cache_hit_tokens", "Prompt tokens reused from the prefix cache", s.hit_tokens),
+                ("kvgen_prefix_cache_evictions", "Prefix-cache blocks moved out of the pool or dropped", s.evictions)):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], value)
+            yield c
+        g = GaugeMetricFamily("kvgen_prefix_cache_blocks", "Blocks the prefix cache holds, by where they are",
+                              labels=["where"])
+        g.add_metric(["pool"], self.prefix.blocks_held)
+        g.add_metric(["tiers"], self.prefix.blocks_tiered)
+        yield g
 
 
 class _HandledInterceptor(grpc.aio.ServerInterceptor):

@@ -74,7 +74,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             session = self._session(gen, req.session_id, key)
             request = session.request(prompt, params, request_id)
         else:
-            request = gen.request(prompt, params, request_id)
+            request = gen.request(prompt, params, request_id, cache_salt=req.cache_salt)
         async with aclosing(gen.events(request)) as events:  # leaving early cancels the request
             async for ev in events:
                 yield ev
@@ -143,7 +143,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=gen.pool.fmt.name,
             weight_dtype=gen.model.weight_dtype, has_chat_template=gen.tokenizer.chat_template is not None,
             eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else -1,
-            kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device))
+            kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device),
+            prefix_cache=gen.scheduler.kv.prefix is not None)
 
     async def CreateSession(self, request, context):
         try:

@@ -86,7 +86,7 @@ async def _among(gen: Generator, params: SamplingParams, join_running: bool) -> 
     # the claim is about a full batch: every neighbour was still generating when the target ended
     assert not any(r.finished for r in others), [r.finished for r in others]
     await _finish([*others, target])
-    assert gen.pool.used == 0
+    assert gen.scheduler.kv.used == 0
     return out.token_ids
 
 
@@ -137,7 +137,7 @@ async def _sessions(gen: Generator, order: str) -> dict[str, list]:
             freed = asyncio.Event()
             gen.close_session(s.session_id, on_freed=lambda f=freed: loop.call_soon_threadsafe(f.set))
             await freed.wait()
-    assert gen.pool.used == 0
+    assert gen.scheduler.kv.used == 0
     return got
 
 

@@ -46,7 +46,7 @@ def test_32_concurrent_greedy_streams_equal_their_solo_output(gen):
         gen.engine.on_step = None
     assert out == solo
     assert max(steps) >= 16  # they really shared forward passes
-    assert gen.pool.used == 0
+    assert gen.scheduler.kv.used == 0
 
 
 def test_preemption_keeps_every_stream_correct(make_gen):
@@ -60,7 +60,7 @@ def test_preemption_keeps_every_stream_correct(make_gen):
     results = tight.batch_generate(ps, params)
     assert tight.scheduler.preemptions > 0
     assert [r.token_ids for r in results] == solo
-    assert tight.pool.used == 0
+    assert tight.scheduler.kv.used == 0
 
 
 def test_long_prompt_is_prefilled_in_chunks_beside_running_streams(make_gen):
@@ -126,9 +126,9 @@ def test_session_two_turns_equal_the_full_conversation(server, stub):
     assert [t for m in r2 for t in m.token_ids] == list(fresh.token_ids)
     assert r2[-1].usage.cached_tokens > r1.usage.prompt_tokens  # turn 1's prompt and reply reused
     assert fresh.usage.cached_tokens == 0
-    assert server.gen.pool.used > 0  # the session holds its blocks between calls
+    assert server.gen.scheduler.kv.used > 0  # the session holds its blocks between calls
     stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
-    assert server.gen.pool.used == 0
+    assert server.gen.scheduler.kv.used == 0
     with pytest.raises(grpc.RpcError) as e:
         stub.Generate(request("hi", session_id=sid, max_new_tokens=1))
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -180,9 +180,9 @@ def test_idle_session_moves_down_a_tier_and_resumes_exactly(gen, make_gen, warm_
     assert g.expire_sessions(now=time.monotonic() + 3600) == 1
     assert not g.sessions
     deadline = time.monotonic() + 10  # closing returns at once; the engine frees the blocks next
-    while g.pool.used and time.monotonic() < deadline:
+    while g.scheduler.kv.used and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert g.pool.used == 0
+    assert g.scheduler.kv.used == 0
     g.close()
     assert all(not os.path.exists(d) for d in cold_dirs)  # the temp cold dir goes with the server
 

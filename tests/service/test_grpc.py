@@ -49,7 +49,10 @@ def test_stream_deltas_concatenate_to_unary(stub):
     last = msgs[-1]
     assert last.finish_reason == unary.finish_reason == pb.FINISH_REASON_STOP_TOKEN
     assert last.matched_stop == "<|im_end|>"
-    assert last.usage == unary.usage
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (unary.usage.prompt_tokens,
+                                                                        unary.usage.completion_tokens)
+    # the same prompt again: its full blocks come from the prefix cache
+    assert last.usage.cached_tokens == (unary.usage.prompt_tokens - 1) // 16 * 16
 
 
 def test_batch_with_one_invalid_entry(stub):
@@ -109,7 +112,7 @@ def test_logprobs(stub):
 
 
 def test_cancel_stops_generation_and_frees_blocks(server, stub):
-    pool = server.gen.pool
+    pool = server.gen.scheduler.kv  # blocks held by requests (the prefix cache's own count as free)
     call = stub.GenerateStream(request("Once upon a time", max_new_tokens=2000, ignore_eos=True))
     first = next(call)
     assert first.token_ids
@@ -127,9 +130,9 @@ def test_deadline_frees_blocks(server, stub):
         list(stub.GenerateStream(request("Once upon a time", max_new_tokens=2000, ignore_eos=True), timeout=0.5))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     deadline = time.time() + 10
-    while server.gen.pool.used and time.time() < deadline:
+    while server.gen.scheduler.kv.used and time.time() < deadline:
         time.sleep(0.05)
-    assert server.gen.pool.used == 0
+    assert server.gen.scheduler.kv.used == 0
 
 
 @pytest.mark.parametrize("req, field", [

@@ -6,8 +6,11 @@ KVCacheManager), so it takes no locks. A table moves through these states:
 
     reserve / advance        a running sequence's table grows (and, behind a sliding window or
                              chunk, frees the blocks no query will read again)
-    release                  a finished request: every block back to the pool
-    preempt                  the pool ran dry: the blocks go back, the sequence is recomputed
+    share_prefix             a new request starts with the prefix cache's blocks of its prompt
+    release                  a finished request: its full blocks join the prefix cache, every
+                             block reference goes back
+    preempt                  the pool ran dry: the same, and the sequence is recomputed (from
+                             the prefix cache, mostly)
     park                     a session's turn ended: the blocks stay, and while the session is
                              idle they may be moved down to the warm / cold tiers (demoted)
     resume                   the session's next turn: keep the prefix it shares, bring tiered
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import Tier, TieredKV
 from kvgen.errors import PoolExhausted
 
@@ -40,9 +44,10 @@ class KVEvent:
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, tiers: TieredKV, warm_bytes: int):
+    def __init__(self, pool: BlockPool, tiers: TieredKV, warm_bytes: int, prefix: PrefixCache | None = None):
         self.pool = pool
         self.tiers = tiers
+        self.prefix = prefix  # None: no sharing across requests (PREFIX_CACHE=0, or a window)
         self.warm_bytes = warm_bytes  # past this, demoted blocks go on to disk
         self._parked: dict[PagedKVCache, None] = {}  # idle sessions' tables, least recently used first
         self._listeners: list[Callable[[KVEvent], None]] = []
@@ -71,7 +76,9 @@ class KVManager:
 
     @property
     def used(self) -> int:
-        return self.pool.used
+        """Blocks held by requests and sessions: a block only the prefix cache holds is counted
+        as free (the next reserve that needs it takes it), as vLLM counts its cached blocks."""
+        return self.pool.used - (self.prefix.blocks_idle if self.prefix is not None else 0)
 
     def tier_bytes(self, tier: Tier) -> int:
         return self.tiers.nbytes(tier)
@@ -84,6 +91,8 @@ class KVManager:
         need = table.blocks_needed(n)
         if need == 0:
             return True
+        if need > self.pool.available and self.prefix is not None:
+            self.prefix.evict(need)  # the index's own blocks go first: nobody is using them
         if need > self.pool.available and not self._make_room(need):
             return False
         had = len(table.blocks)
@@ -103,17 +112,36 @@ class KVManager:
             if dropped:
                 self._emit("kv.drop", table, dropped, before=oldest_needed)
 
-    def release(self, table: PagedKVCache) -> None:
-        """The request is over: every block goes back."""
-        blocks, tokens = _held(table), table.length
-        self.tiers.reset(table)
-        self._emit("kv.free", table, blocks, tokens=tokens)
+    def share_prefix(self, table: PagedKVCache, salt: str, ids: list[int]) -> int:
+        """Start an empty table with the cached blocks ids begin with. Returns the tokens reused."""
+        if self.prefix is None or table.blocks:
+            return 0
+        n = self.prefix.share_into(table, salt, ids)
+        if n:
+            self._emit("kv.prefix_hit", table, list(table.blocks), tokens=n)
+        else:
+            self._emit("kv.prefix_miss", table, None, tokens=0)
+        return n
 
-    def preempt(self, table: PagedKVCache) -> None:
-        """The pool ran dry: the blocks go back, and the sequence will be recomputed."""
-        blocks, tokens = _held(table), table.length
+    def release(self, table: PagedKVCache, salt: str = "", tokens: list[int] | None = None) -> None:
+        """The request is over: its full blocks join the prefix cache (given its tokens), and
+        every block reference goes back."""
+        self._index(table, salt, tokens)
+        blocks, n = _held(table), table.length
         self.tiers.reset(table)
-        self._emit("kv.preempt", table, blocks, tokens=tokens)
+        self._emit("kv.free", table, blocks, tokens=n)
+
+    def preempt(self, table: PagedKVCache, salt: str = "", tokens: list[int] | None = None) -> None:
+        """The pool ran dry: the blocks go back (the full ones kept by the prefix cache, so the
+        recompute mostly finds them), and the sequence will be recomputed."""
+        self._index(table, salt, tokens)
+        blocks, n = _held(table), table.length
+        self.tiers.reset(table)
+        self._emit("kv.preempt", table, blocks, tokens=n)
+
+    def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None) -> None:
+        if self.prefix is not None and tokens is not None and table.first == 0:
+            self.prefix.insert(salt, tokens, table)
 
     # sessions
 
@@ -132,6 +160,8 @@ class KVManager:
         self._parked.pop(table, None)
         old, held = table.length, _held(table)
         parked = self.tiers.parked(table)
+        if parked and self.prefix is not None:
+            self.prefix.evict(parked)  # cache-only blocks make way for the session's own
         try:
             self.tiers.truncate(table, keep)
         except PoolExhausted:

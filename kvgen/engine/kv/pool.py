@@ -1,4 +1,8 @@
-"""A pool of fixed-size KV blocks shared by every sequence, in one storage format."""
+"""A pool of fixed-size KV blocks shared by every sequence, in one storage format.
+
+A block can have several holders (sequences starting with the same prefix, and the prefix
+cache's index): `alloc` gives one reference, `share` adds one, `free` drops one, and the block
+goes back to the free list when the last is dropped."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ class BlockPool:
         self.capacity = num_blocks
         self.block_size = fmt.block_size
         self._free = deque(range(num_blocks))
-        self._allocated = set()
+        self._refs: dict[int, int] = {}  # allocated block -> holders
         self._lock = threading.Lock()
 
     @classmethod
@@ -53,14 +57,35 @@ class BlockPool:
             if n > len(self._free):
                 raise PoolExhausted(f"need {n} KV blocks, {len(self._free)} free of {self.capacity}")
             blocks = [self._free.popleft() for _ in range(n)]
-            self._allocated.update(blocks)
+            for b in blocks:
+                self._refs[b] = 1
         return blocks
 
-    def free(self, blocks: list[int]) -> None:
+    def share(self, blocks: list[int]) -> None:
+        """One more holder of each (allocated) block."""
         with self._lock:
             for b in blocks:
-                if b not in self._allocated:
+                if b not in self._refs:
+                    raise RuntimeError(f"KV block {b} shared but not allocated")
+                self._refs[b] += 1
+
+    def refs(self, block: int) -> int:
+        """Holders of a block (0: free)."""
+        return self._refs.get(block, 0)
+
+    def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block; the ones nobody holds any more are free again."""
+        with self._lock:
+            gone = []
+            for b in blocks:
+                n = self._refs.get(b, 0)
+                if n == 0:
                     raise RuntimeError(f"KV block {b} freed twice or never allocated")
-                self._allocated.discard(b)
-                self._free.append(b)
-            self.fmt.release(self.store, blocks)
+                if n == 1:
+                    del self._refs[b]
+                    self._free.append(b)
+                    gone.append(b)
+                else:
+                    self._refs[b] = n - 1
+            if gone:
+                self.fmt.release(self.store, gone)

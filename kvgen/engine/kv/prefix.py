@@ -1,0 +1,171 @@
+"""The prefix cache: full KV blocks of past requests, indexed by their tokens, shared by later
+requests that start the same way (SGLang's radix cache, at block granularity).
+
+Each node of the tree is one full block: its key is the block's block_size token ids, its path
+from the root is everything before it, and it holds one pool reference to the block (through a
+one-block table, `holder`, so the tiers can move it). A request that starts with a node's path
+shares the node's block: only full blocks are shared and a sequence's own writes start after
+them, so no write ever lands in a shared block (no copy on write is needed).
+
+Trees are per `cache_salt`: requests with different salts never share a block, so a tenant
+cannot learn from timing what another one sent (vLLM's reason for the salt). The KV format and
+the model are the server's own, so they need no key.
+
+When the pool runs short, nodes that only the tree still holds are demoted, least recently
+used first, to the warm / cold tiers rather than dropped: a later hit brings them back. Past
+`tier_bytes`, the least recently used leaves leave the tree for good.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.tiers import HOLE, TieredKV
+from kvgen.errors import PoolExhausted
+
+
+@dataclass
+class PrefixStats:
+    hits: int = 0  # requests that reused at least one block
+    misses: int = 0
+    hit_tokens: int = 0  # prompt tokens not computed again
+    evictions: int = 0  # blocks moved out of the pool (demoted) or out of the tree (dropped)
+
+
+class _Node:
+    __slots__ = ("key", "parent", "children", "holder", "used")
+
+    def __init__(self, key: tuple[int, ...], parent: _Node | None, holder: PagedKVCache | None):
+        self.key = key
+        self.parent = parent
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.holder = holder  # one block, one pool reference (None: a root)
+        self.used = 0  # tick of the last match or insert (LRU)
+
+    @property
+    def block(self) -> int:
+        return self.holder.blocks[0]
+
+
+class PrefixCache:
+    def __init__(self, pool: BlockPool, tiers: TieredKV, tier_bytes: int):
+        self.pool = pool
+        self.tiers = tiers
+        self.tier_bytes = tier_bytes
+        self.block_size = pool.block_size
+        self.stats = PrefixStats()
+        self._roots: dict[str, _Node] = {}
+        self._nodes: list[_Node] = []  # every non-root node
+        self._tick = itertools.count(1)
+
+    @property
+    def blocks_held(self) -> int:
+        """Blocks of the tree in the pool (shared or not)."""
+        return sum(n.block != HOLE for n in self._nodes)
+
+    @property
+    def blocks_idle(self) -> int:
+        """Blocks in the pool that only the tree holds: reclaimable at once, like free ones."""
+        return sum(n.block != HOLE and self.pool.refs(n.block) == 1 for n in list(self._nodes))
+
+    @property
+    def blocks_tiered(self) -> int:
+        return sum(n.block == HOLE for n in self._nodes)
+
+    def share_into(self, table: PagedKVCache, salt: str, ids: list[int]) -> int:
+        """Start an empty table with the longest run of cached full blocks that ids begin with
+        (at most up to the last token: one token is always computed, for its logits). Blocks
+        that were demoted come back into the pool on the way; with no room for one, the match
+        stops there. Returns the tokens reused."""
+        bs = self.block_size
+        node, shared = self._roots.get(salt), []
+        for i in range((len(ids) - 1) // bs if node else 0):
+            node = node.children.get(tuple(ids[i * bs:(i + 1) * bs]))
+            if node is None:
+                break
+            if node.block == HOLE:
+                if not self.pool.available:
+                    self.evict(1)  # blocks matched so far are shared already: never the victims
+                try:
+                    self.tiers.promote(node.holder)
+                except PoolExhausted:
+                    break
+            node.used = next(self._tick)
+            self.pool.share([node.block])
+            shared.append(node.block)
+        if shared:
+            table.blocks, table.length = shared, len(shared) * bs
+            self.stats.hits += 1
+            self.stats.hit_tokens += table.length
+        else:
+            self.stats.misses += 1
+        return table.length
+
+    def insert(self, salt: str, tokens: list[int], table: PagedKVCache) -> int:
+        """Index the table's full written blocks under their tokens (the table keeps its own
+        references). Returns how many blocks were new to the tree."""
+        bs = self.block_size
+        node = self._roots.setdefault(salt, _Node((), None, None))
+        added = 0
+        for i in range(min(table.length, len(tokens)) // bs):
+            key = tuple(tokens[i * bs:(i + 1) * bs])
+            child = node.children.get(key)
+            if child is None:
+                block = table.blocks[i]
+                if block < 0:  # dropped behind a window, or demoted: nothing to index from here
+                    break
+                holder = PagedKVCache(self.pool)
+                holder.blocks, holder.length = [block], bs
+                self.pool.share([block])
+                child = node.children[key] = _Node(key, node, holder)
+                self._nodes.append(child)
+                added += 1
+            child.used = next(self._tick)
+            node = child
+        return added
+
+    def evict(self, need: int) -> int:
+        """Demote blocks only the tree holds, least recently used first, until `need` blocks
+        are free; then keep the tiers within tier_bytes by dropping old leaves. Returns how many
+        blocks left the pool."""
+        moved = 0
+        if need > self.pool.available:
+            idle = sorted((n for n in self._nodes if n.block != HOLE and self.pool.refs(n.block) == 1),
+                          key=lambda n: n.used)
+            for n in idle[: need - self.pool.available]:
+                self.tiers.demote(n.holder, 0)
+                moved += 1
+        self.stats.evictions += moved
+        self._trim_tiers()
+        return moved
+
+    def _trim_tiers(self) -> None:
+        per_block = self.pool.fmt.bytes_per_block()
+        excess = self.blocks_tiered - self.tier_bytes // per_block
+        if excess <= 0:
+            return
+        # leaves only (a node's path must stay whole for its children to be found); a parent
+        # whose last child went is a leaf for the next round
+        while excess > 0:
+            leaves = sorted((n for n in self._nodes if n.block == HOLE and not n.children), key=lambda n: n.used)
+            if not leaves:
+                return
+            for n in leaves[:excess]:
+                self._drop(n)
+                excess -= 1
+
+    def _drop(self, n: _Node) -> None:
+        self.tiers.reset(n.holder)  # frees the block or its tiered copy
+        del n.parent.children[n.key]
+        self._nodes.remove(n)
+        self.stats.evictions += 1
+
+    def clear(self) -> None:
+        """Drop every node (their pool references go back)."""
+        for n in self._nodes:
+            self.tiers.reset(n.holder)
+        self._nodes.clear()
+        self._roots.clear()

@@ -1,0 +1,80 @@
+"""The prefix cache through the engine on the embedded model: a request that starts like an
+earlier one prefills only the rest and generates the same tokens as with the cache off; salts
+separate tenants; preempted sequences find their own blocks again."""
+
+from __future__ import annotations
+
+import urllib.request
+
+from kvgen.client import request
+from kvgen.engine.sampling import SamplingParams
+from kvgen.v1 import generate_pb2 as pb
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+
+def shared_prompt(gen, n: int = 500) -> list[int]:
+    text = " ".join(f"Rule {i}: every request to the archive must name its shelf and row." for i in range(60))
+    ids = gen.tokenize(text)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def test_a_shared_500_token_prompt_is_prefilled_once(make_gen):
+    on, off = make_gen(), make_gen(prefix_cache=False)
+    system = shared_prompt(on)
+    first = on.generate(system + on.tokenize(" Question one: where is the map?"), GREEDY)
+    second_ids = system + on.tokenize(" Question two: who keeps the keys?")
+    second = on.generate(second_ids, GREEDY)
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens >= 496  # every full block of the shared 500 tokens
+    assert second.token_ids == off.generate(second_ids, GREEDY).token_ids  # same tokens, cache or not
+    # the whole request again: everything but its last token is reused
+    again = on.generate(second_ids, GREEDY)
+    assert again.usage.cached_tokens == (len(second_ids) - 1) // on.pool.block_size * on.pool.block_size
+    assert again.token_ids == second.token_ids
+    stats = on.scheduler.kv.prefix.stats
+    assert stats.hits == 2 and stats.misses == 1 and stats.hit_tokens >= 496 * 2
+    assert on.scheduler.kv.used == 0  # only the cache holds blocks now, and they count as free
+
+
+def test_salts_never_share(make_gen):
+    g = make_gen()
+    ids = shared_prompt(g, 200)
+    assert g.bridge.run(_cached(g, ids, "tenant-a")) == 0
+    assert g.bridge.run(_cached(g, ids, "tenant-b")) == 0  # the same prompt, another tenant
+    assert g.bridge.run(_cached(g, ids, "tenant-a")) == (len(ids) - 1) // 16 * 16
+
+
+async def _cached(g, ids, salt) -> int:
+    req = g.submit(ids, GREEDY, cache_salt=salt)
+    out = await req.result()
+    await req.released()
+    return out.usage.cached_tokens
+
+
+def test_preempted_streams_recompute_from_the_cache_and_stay_correct(make_gen):
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompts = [f"Write something about topic {i}:" for i in range(6)]
+    roomy = make_gen(kv_cache_mb=16)
+    solo = [roomy.generate(p, params).token_ids for p in prompts]
+    tight = make_gen(kv_cache_mb=10 * roomy.pool.fmt.bytes_per_block() / 2**20)
+    out = tight.batch_generate(prompts, params)
+    assert [r.token_ids for r in out] == solo
+    assert tight.scheduler.preemptions > 0 and tight.scheduler.kv.used == 0
+
+
+def test_grpc_reports_cached_tokens_and_metrics(server, stub):
+    prompt = " ".join(f"Clause {i} of the agreement covers the delivery of goods." for i in range(20))
+    a = stub.Generate(request(prompt + " Summarise clause 3.", temperature=0.0, max_new_tokens=4))
+    b = stub.Generate(request(prompt + " Summarise clause 7.", temperature=0.0, max_new_tokens=4))
+    assert a.usage.cached_tokens == 0 or a.usage.cached_tokens < b.usage.cached_tokens
+    assert b.usage.cached_tokens >= 160
+    salted = stub.Generate(request(prompt + " Summarise clause 7.", cache_salt="other", temperature=0.0,
+                                   max_new_tokens=4))
+    assert salted.usage.cached_tokens == 0 and salted.token_ids == b.token_ids
+    assert stub.GetModelInfo(pb.GetModelInfoRequest()).prefix_cache
+    page = urllib.request.urlopen(f"http://127.0.0.1:{server.settings.metrics_port}/metrics", timeout=5).read().decode()
+    values = {line.split()[0]: float(line.split()[1]) for line in page.splitlines() if line.startswith("kvgen_prefix")}
+    assert values["kvgen_prefix_cache_hits_total"] >= 1 and values["kvgen_prefix_cache_hit_tokens_total"] >= 160
+    assert values['kvgen_prefix_cache_blocks{where="pool"}'] > 0
