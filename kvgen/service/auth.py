@@ -14,14 +14,19 @@ DENIED = "missing or wrong authorization bearer token"
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, key: str):
-        self.expected = f"Bearer {key}".encode()
+        """key: one API key, or several separated by commas (one per tenant: sessions are
+        owned and counted per key)."""
+        self.expected = [f"Bearer {k.strip()}".encode() for k in key.split(",") if k.strip()]
 
     def allows(self, metadata) -> bool:
         given = [v for k, v in metadata or () if k == "authorization"]
         if len(given) != 1:
             return False
         value = given[0] if isinstance(given[0], bytes) else given[0].encode("utf-8", "surrogateescape")
-        return hmac.compare_digest(value, self.expected)  # constant time: no key prefix by timing
+        ok = False
+        for expected in self.expected:  # every key compared, in constant time: no key or prefix by timing
+            ok |= hmac.compare_digest(value, expected)
+        return ok
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
