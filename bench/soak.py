@@ -31,13 +31,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvgen.client import request  # noqa: E402
+from kvgen.client import request, wait_serving  # noqa: E402
 from kvgen.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain photosynthesis briefly.",
@@ -91,21 +90,6 @@ def scrape(port: int) -> dict[str, float]:
     return {s.name: s.value for fam in text_string_to_metric_families(page) for s in fam.samples if not s.labels}
 
 
-def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.time() + timeout
-    with grpc.insecure_channel(target) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError("the server never became SERVING")
 
 
 def client(target: str, seed: int, until: float, args, out: list[Done], lock: threading.Lock) -> None:
@@ -252,7 +236,7 @@ def main() -> None:
                             start_new_session=True)
     target = f"127.0.0.1:{port}"
     try:
-        wait_serving(target, proc)
+        wait_serving(target, timeout=300, alive=lambda: proc.poll() is None)
         pid = server_pid(proc.pid)
         with grpc.insecure_channel(target) as ch:  # warm-up: first steps pay for lazy init
             list(pb_grpc.GeneratorStub(ch).GenerateStream(request("Hello", max_new_tokens=8), timeout=120))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
@@ -74,3 +76,23 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def wait_serving(target: str, timeout: float = 180, alive: Callable[[], bool] = lambda: True) -> None:
+    """Return once the server at target reports SERVING on its health service (the model is
+    loaded); TimeoutError after `timeout` seconds, RuntimeError as soon as alive() is False (a
+    server process that exited, say)."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < deadline:
+            if not alive():
+                raise RuntimeError(f"the server at {target} is gone")
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(f"the server at {target} never became SERVING")

@@ -3,7 +3,9 @@
 // Streams one generation to stdout:
 //   node cli.js "prompt" [--chat] [--max-new-tokens N] [--temperature T] [--target host:port]
 
+const fs = require('node:fs');
 const { parseArgs } = require('node:util');
+const grpc = require('@grpc/grpc-js');
 const { KvgenClient, badRequestFields, status } = require('./index.js');
 
 const USAGE = `usage: node cli.js "prompt" [options]
@@ -14,6 +16,10 @@ options:
   --temperature T        0 = greedy (server default: 1.0)
   --target host:port     server address (default: $KVGEN_TARGET or localhost:50051)
   --api-key KEY          bearer token (default: $KVGEN_API_KEY)
+  --tls                  connect with TLS, verifying the server by the system's roots
+  --ca-file PEM          connect with TLS, verifying the server by this CA
+  --cert-file PEM        this client's certificate, for a server that requires one (mTLS)
+  --key-file PEM         the private key of --cert-file
   --verbose              print finish reason, usage and timings to stderr
   -h, --help             this help
 `;
@@ -25,6 +31,15 @@ function number(name, value, integer) {
     throw new Error(`--${name} wants ${integer ? 'an integer' : 'a number'}, got ${JSON.stringify(value)}`);
   }
   return n;
+}
+
+// TLS when asked for or when any certificate file is given; insecure (undefined) otherwise.
+function credentialsOf(values) {
+  const { tls, 'ca-file': ca, 'cert-file': cert, 'key-file': key } = values;
+  if (!tls && !ca && !cert && !key) return undefined;
+  if (Boolean(cert) !== Boolean(key)) throw new Error('--cert-file and --key-file go together');
+  const read = (file) => (file ? fs.readFileSync(file) : null);
+  return grpc.credentials.createSsl(read(ca), read(key), read(cert));
 }
 
 async function main(argv) {
@@ -39,6 +54,10 @@ async function main(argv) {
         temperature: { type: 'string' },
         target: { type: 'string' },
         'api-key': { type: 'string' },
+        tls: { type: 'boolean', default: false },
+        'ca-file': { type: 'string' },
+        'cert-file': { type: 'string' },
+        'key-file': { type: 'string' },
         verbose: { type: 'boolean', default: false },
         help: { type: 'boolean', short: 'h', default: false },
       },
@@ -57,11 +76,13 @@ async function main(argv) {
     return 2;
   }
   let sampling;
+  let credentials;
   try {
     sampling = {
       maxNewTokens: number('max-new-tokens', values['max-new-tokens'], true),
       temperature: number('temperature', values.temperature, false),
     };
+    credentials = credentialsOf(values);
   } catch (e) {
     process.stderr.write(`${e.message}\n`);
     return 2;
@@ -69,7 +90,7 @@ async function main(argv) {
   const prompt = positionals[0];
   const input = values.chat ? [{ role: 'user', content: prompt }] : prompt;
 
-  const client = new KvgenClient(values.target, { apiKey: values['api-key'] });
+  const client = new KvgenClient(values.target, { apiKey: values['api-key'], credentials });
   const stream = client.stream(input, sampling);
   const onSigint = () => stream.cancel();
   process.once('SIGINT', onSigint);

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvgen import client
 from kvgen.client import Client
 from kvgen.v1 import generate_pb2 as pb
 from tests.conftest import free_port
@@ -23,19 +23,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_serving(target: str, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.time() + timeout
-    with grpc.insecure_channel(target) as ch:
-        health = health_pb2_grpc.HealthStub(ch)
-        while time.time() < deadline:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else "server exited"
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    raise TimeoutError("server never became SERVING")
+    """The server process is up and SERVING (its output in the failure when it died)."""
+    try:
+        client.wait_serving(target, timeout, alive=lambda: proc.poll() is None)
+    except RuntimeError:
+        raise AssertionError(proc.stdout.read() if proc.stdout else "server exited") from None
 
 
 def start(cmd: list[str], **env) -> tuple[subprocess.Popen, str, int]:

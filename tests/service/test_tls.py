@@ -99,3 +99,16 @@ def test_grpcurl_over_mtls(mtls_server, pki):
     assert json.loads(out.stdout)["vocabSize"] == 300
     plain = subprocess.run(["grpcurl", "-plaintext", mtls_server.target, "list"], capture_output=True, timeout=30)
     assert plain.returncode != 0
+
+
+def test_node_client_over_mtls(mtls_server, pki, node_client):
+    """A third-party gRPC stack (Node's grpc-js, through clients/node's CLI) over mTLS: refused
+    without a client certificate, served with one."""
+    cli = [shutil.which("node"), str(node_client / "cli.js"), "The capital of France is", "--target",
+           mtls_server.target, "--ca-file", str(pki.ca), "--max-new-tokens", "4", "--temperature", "0"]
+    refused = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "error: UNAVAILABLE" in refused.stderr, refused.stderr
+    served = subprocess.run([*cli, "--cert-file", str(pki.client_cert), "--key-file", str(pki.client_key),
+                             "--verbose"], capture_output=True, text=True, timeout=60)
+    assert served.returncode == 0, served.stderr
+    assert "completion 4 tokens" in served.stderr
