@@ -60,8 +60,7 @@ def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> B
     # kernels of a format read only its quantized store, so where they run it is off.
     # One slot per running sequence, within a quarter of the KV budget.
     quantized = opts.kv_dtype in ("fp8", "q4", "q3")
-    window = opts.attention_window or cfg.sliding_window or 0
-    kernels = kernels_serve(model.device, opts.kv_dtype, cfg.head_dim, window, opts.attention_chunk)
+    kernels = kernels_serve(model.device, opts.kv_dtype, cfg.head_dim, _window(opts, cfg), opts.attention_chunk)
     args = (opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim)
     slots = None
     if quantized and not kernels:
@@ -75,6 +74,11 @@ def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> B
     return BlockPool.from_budget(fmt, opts.kv_cache_mb, model.device)
 
 
+def _window(opts: EngineOptions, cfg) -> int:
+    """Sliding-window attention: the setting, else the model's own (0: none)."""
+    return opts.attention_window or cfg.sliding_window or 0
+
+
 class Generator:
     def __init__(self, model: Model, tokenizer: TextTokenizer, options: EngineOptions | None = None,
                  model_path: str = ""):
@@ -86,7 +90,7 @@ class Generator:
         self.model = model
         self.pool = in_fresh_thread(_make_pool, model, tokenizer, opts)  # see threads.py
         self.tiers = TieredKV(self.pool, codec=opts.kv_warm_codec, cold_dir=opts.kv_cold_dir or None)
-        window = opts.attention_window or cfg.sliding_window or 0
+        window = _window(opts, cfg)
         # Blocks behind a sliding window (or a finished chunk) are freed while a request runs,
         # so its prompt's blocks are not all there to share: no prefix cache then.
         prefix = None
@@ -118,9 +122,10 @@ class Generator:
     # requests
 
     async def prompt_ids(self, prompt: Prompt) -> list[int]:
-        """Token ids of a prompt (text, chat messages or ids); long ones are tokenized in a thread."""
-        size = len(prompt) if isinstance(prompt, str) else sum(len(m.get("content") or "") for m in prompt
-                                                                 if isinstance(m, dict))
+        """Token ids of a prompt (text, chat messages or ids); long ones are tokenized (or, for ids,
+        checked against the vocabulary) in a thread."""
+        chat = bool(prompt) and isinstance(prompt, list) and isinstance(prompt[0], dict)
+        size = sum(len(m.get("content") or "") for m in prompt) if chat else len(prompt)
         if size > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.tokenize, prompt)
         return self.tokenize(prompt)
@@ -178,6 +183,15 @@ class Generator:
         return req
 
     @staticmethod
+    async def collect(request: Awaitable[Request]) -> Event:
+        """A request's events added up, once the engine has let go of its blocks (so a
+        synchronous caller sees the pool as the request left it)."""
+        req = await request
+        out = await req.result()
+        await req.released()
+        return out
+
+    @staticmethod
     async def events(request: Awaitable[Request]) -> AsyncIterator[Event]:
         """A request's events; leaving early cancels it."""
         req = await request
@@ -190,7 +204,7 @@ class Generator:
     # synchronous use
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Event:
-        return self.bridge.run(self._result(prompt, sampling))
+        return self.bridge.run(self.collect(self.request(prompt, sampling)))
 
     def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None) -> Iterator[Event]:
         return self.bridge.iterate(self.events(self.request(prompt, sampling)))
@@ -200,12 +214,6 @@ class Generator:
         """All requests run together in the scheduler; a bad one is returned as its exception."""
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         return self.bridge.run(self._batch(prompts, params))
-
-    async def _result(self, prompt, sampling) -> Event:
-        req = await self.request(prompt, sampling)
-        out = await req.result()
-        await req.released()  # a synchronous caller sees the pool as the request left it
-        return out
 
     async def _batch(self, prompts, params) -> list[Event | Exception]:
         # Every request is submitted before any is awaited, so the scheduler batches them.

@@ -94,13 +94,7 @@ class Session:
     # synchronous use, for Python callers without an event loop
 
     def generate(self, prompt: Prompt, sampling: SamplingParams | None = None):
-        return self.gen.bridge.run(self._result(prompt, sampling))
+        return self.gen.bridge.run(self.gen.collect(self.request(prompt, sampling)))
 
     def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None):
         return self.gen.bridge.iterate(self.gen.events(self.request(prompt, sampling)))
-
-    async def _result(self, prompt, sampling):
-        req = await self.request(prompt, sampling)
-        out = await req.result()
-        await req.released()
-        return out

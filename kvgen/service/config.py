@@ -20,7 +20,8 @@ class Settings:
     model: str = setting("", "a GGUF file or a Hugging Face folder (empty: the embedded model)",
                          shown="embedded SmolLM2")
     grace_s: float = setting(10.0, "how long in-flight streams may finish on SIGTERM")
-    api_key: str = setting("", "when set, calls need `authorization: Bearer <key>` metadata", shown="(none)")
+    api_key: str = setting("", "when set, calls need `authorization: Bearer <key>` metadata; several keys, "
+                               "comma-separated, give tenants their own", shown="(none)")
     tls_cert: str = setting("", "PEM certificate chain file; with TLS_KEY the server speaks TLS only", shown="(none)")
     tls_key: str = setting("", "PEM private key file of TLS_CERT", shown="(none)")
     tls_client_ca: str = setting("", "PEM CA file; when set, clients must present a certificate it signed (mTLS)",

@@ -67,14 +67,6 @@ class KVManager:
         return PagedKVCache(self.pool)
 
     @property
-    def block_size(self) -> int:
-        return self.pool.block_size
-
-    @property
-    def capacity(self) -> int:
-        return self.pool.capacity
-
-    @property
     def used(self) -> int:
         """Blocks held by requests and sessions: a block only the prefix cache holds is counted
         as free (the next reserve that needs it takes it), as vLLM counts its cached blocks."""
@@ -189,10 +181,6 @@ class KVManager:
         if tokens or self.tiers.parked(table):
             self.tiers.reset(table)
             self._emit("kv.evict", table, blocks, tokens=tokens)
-
-    @property
-    def parked_tables(self) -> int:
-        return len(self._parked)
 
     def _make_room(self, need: int) -> bool:
         """Demote idle sessions' blocks (least recently read first) until `need` blocks are
