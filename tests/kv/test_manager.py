@@ -163,3 +163,18 @@ def test_resume_without_room_recomputes():
     assert kv.resume(session, 4 * BS) == 0 and kv.tiers.parked(session) == 0
     kv.release(hog)
     assert kv.used == 0
+
+
+def test_a_turn_that_ends_after_its_session_closed_keeps_nothing():
+    """The close reached the engine first (it came from another thread than the turn): the
+    turn still runs, and its blocks go back when it ends instead of being parked for nobody."""
+    kv, _ = manager()
+    session = kv.new_table()
+    fill(kv, session, 2 * BS, 1.0)
+    kv.park(session)
+    kv.drop(session)
+    assert kv.used == 0
+    assert kv.resume(session, 0) == 0
+    fill(kv, session, 3 * BS, 2.0)  # the late turn
+    kv.park(session)
+    assert kv.used == 0 and kv.pool.used == 0

@@ -24,6 +24,7 @@ nothing here knows about requests or spans.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -50,6 +51,7 @@ class KVManager:
         self.prefix = prefix  # None: no sharing across requests (PREFIX_CACHE=0, or a window)
         self.warm_bytes = warm_bytes  # past this, demoted blocks go on to disk
         self._parked: dict[PagedKVCache, None] = {}  # idle sessions' tables, least recently used first
+        self._dropped: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()  # closed sessions' tables
         self._listeners: list[Callable[[KVEvent], None]] = []
 
     def listen(self, fn: Callable[[KVEvent], None]) -> None:
@@ -139,7 +141,12 @@ class KVManager:
 
     def park(self, table: PagedKVCache) -> None:
         """A session's turn is over: its blocks stay for the next turn, and may be demoted to
-        the tiers while it is idle (least recently used session first)."""
+        the tiers while it is idle (least recently used session first). A closed session's table
+        (a turn that reached the engine after the close) is released instead: nobody would
+        ever resume or drop it again."""
+        if table in self._dropped:
+            self.release(table)
+            return
         self._parked.pop(table, None)
         self._parked[table] = None
         self.tiers.touch(table)
@@ -175,7 +182,8 @@ class KVManager:
         self._parked[table] = None
 
     def drop(self, table: PagedKVCache) -> None:
-        """The session is closed: its blocks, wherever they are, are freed."""
+        """The session is closed: its blocks, wherever they are, are freed (and stay so)."""
+        self._dropped.add(table)
         self._parked.pop(table, None)
         blocks, tokens = _held(table), table.length
         if tokens or self.tiers.parked(table):
