@@ -14,7 +14,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -97,7 +96,7 @@ def main() -> None:
                       file=sys.stderr)
     base_sha = trees["base"].name
     lines = ["# Before / after: the engine at a base revision against the working tree\n",
-             f"{datetime.date.today()} · {platform.processor() or platform.machine()} · {peers.cores()} cores · "
+             f"{datetime.date.today()} · {peers.cpu_name()} · {peers.cores()} cores · "
              f"base {base_sha} vs the working tree of {subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True).stdout.strip()} · "  # noqa: E501
              f"{args.rounds} alternating rounds, best of {args.repeats} per round, median, prefix cache off · "
              f"load average {load0:.2f} at the start, {os.getloadavg()[0]:.2f} at the end\n",

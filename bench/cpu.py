@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -99,7 +98,7 @@ def main() -> None:
     torch.set_num_threads(cores)
     prompt = peers.prompt_ids(512)
     lines = ["# CPU benchmark\n",
-             f"{datetime.date.today()} · {platform.processor() or platform.machine()} · {cores} cores · "
+             f"{datetime.date.today()} · {peers.cpu_name()} · {cores} cores · "
              f"torch {torch.__version__} · model SmolLM2-135M-Instruct Q4_1 GGUF\n",
              "## Single stream (issue 2): prefill of a 512-token prompt, decode of 128 tokens at batch 1\n",
              "| engine | weights | prefill tok/s | decode tok/s | prefill / llama.cpp | decode / llama.cpp |",

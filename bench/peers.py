@@ -31,9 +31,11 @@ import functools
 import importlib.util
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,6 +66,20 @@ PROMPT_TEXT = (
     "a backup for failing electronics and partly because a steady light on a dark shore "
     "remains one of the most reassuring sights a sailor can hope to see."
 )
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions the engine's speed depends on (bf16 paths
+    lean on AVX-512 / AMX), from /proc/cpuinfo; the machine type elsewhere."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                platform.machine())
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(have) or 'no AVX2'})"
 
 
 def cores() -> int:

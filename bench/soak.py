@@ -18,7 +18,6 @@ import argparse
 import datetime
 import math
 import os
-import platform
 import random
 import signal
 import socket
@@ -36,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import peers  # noqa: E402
 from kvgen.client import request, wait_serving  # noqa: E402
 from kvgen.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -161,7 +161,7 @@ def write_table(path: Path, rows: list[dict], done: list[Done], samples: list, a
         f"# Soak: {args.duration:.0f} s at concurrency {args.concurrency}, {args.cancel_rate:.0%} cancelled",
         "",
         f"`bench/soak.py --duration {args.duration:.0f}` against `make serve` (embedded SmolLM2-135M, default "
-        f"settings), {datetime.date.today()}, {platform.processor() or platform.machine()} with "
+        f"settings), {datetime.date.today()}, {peers.cpu_name()} with "
         f"{os.cpu_count()} CPUs. Each client streams a chat question (temperature 0.7, at most "
         f"{args.max_new_tokens} tokens) and sends the next at once; {args.cancel_rate:.0%} cancel after 1-8 "
         "messages. TTFT as the client sees it; RSS of the server process; blocks from /metrics.",
