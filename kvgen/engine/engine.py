@@ -15,10 +15,11 @@ import time
 
 import torch
 
+from kvgen.engine.constraint import Masks
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model import Model
 from kvgen.engine.model_runner import ModelRunner
-from kvgen.engine.sampling import sample
+from kvgen.engine.sampling import sample, token_logprobs
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import FinishReason, Sequence
 from kvgen.errors import Overloaded
@@ -28,7 +29,7 @@ log = logging.getLogger("kvgen.engine")
 
 class Engine:
     def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler, window: int = 0, chunk: int = 0,
-                 cuda_graphs: bool = True, max_waiting: int = 256):
+                 cuda_graphs: bool = True, max_waiting: int = 256, mask_threads: int = 1):
         self.model = model
         self.device = model.device  # where the model, the pool and a step's tensors live
         self.window = window  # sliding-window attention: blocks behind the window are freed
@@ -52,6 +53,7 @@ class Engine:
         self.runner = ModelRunner(model, pool.fmt, pool.store, window=window, chunk=chunk, cuda_graphs=cuda_graphs,
                                   max_rows=scheduler.max_running,
                                   width=min(pool.capacity, -(-model.cfg.context_length // pool.block_size)))
+        self.masks = Masks(model.cfg.vocab_size, threads=mask_threads)
 
     # called from any thread
 
@@ -90,6 +92,7 @@ class Engine:
             self._cv.notify()
         if self._thread:
             self._thread.join()
+        self.masks.close()
         with self._cv:
             submitted, self._submitted = self._submitted, []
         for seq in [*self.scheduler.running, *self.scheduler.waiting, *submitted]:
@@ -160,17 +163,30 @@ class Engine:
         for seq, _ in batch:
             if seq.admitted_at is None:
                 seq.admitted_at = t0
-        logits = self.runner.run(batch)  # float32, on the CPU: sampling uses per-sequence torch.Generators
+        # The rows sampled after this step are those whose pending tokens it covers; their
+        # constraints' masks are computed while the forward pass runs.
+        ready = [i for i, (seq, n) in enumerate(batch) if seq.pending == n]
+        masked = [j for j, i in enumerate(ready) if batch[i][0].matcher is not None]
+        masks = self.masks.start([batch[ready[j]][0].matcher for j in masked]) if masked else None
+        try:
+            logits = self.runner.run(batch)  # float32, on the CPU: sampling uses per-sequence torch.Generators
+        finally:  # waited for on failure too: no matcher may still be in use at the next step
+            bitmask = masks.result() if masks else None
+        for seq, chunk in self.runner.prompt_logits.items():
+            start = seq.cache.length
+            seq.prompt_logprobs += token_logprobs(chunk, seq.prompt_ids[start + 1:start + 1 + len(chunk)],
+                                                  seq.params.prompt_logprobs)
         for seq, n in batch:
             self.scheduler.kv.advance(seq.cache, n, self._oldest_needed(seq.cache.length + n))
         self.steps += 1
         if self.on_step:  # before anything finishes: a request's last step belongs to its record
             self.on_step(batch, time.perf_counter() - t0)
-        ready = [i for i, (seq, _) in enumerate(batch) if seq.pending == 0]
         if ready:
             seqs = [batch[i][0] for i in ready]
             picked = sample(logits[ready], [s.params for s in seqs], [s.rng for s in seqs],
-                            [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs])
+                            [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs],
+                            outputs=[s.output_ids for s in seqs], stops=[s.stop_ids for s in seqs],
+                            bitmask=bitmask, masked=masked)
             for seq, s in zip(seqs, picked, strict=True):
                 if seq.cancelled or seq.finished:
                     continue

@@ -20,6 +20,7 @@ import torch
 from kvgen.engine import loader
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.calibration import calibrate_format
+from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.manager import KVManager
@@ -99,7 +100,9 @@ class Generator:
         kv = KVManager(self.pool, self.tiers, warm_bytes=int(opts.kv_warm_mb * 2**20), prefix=prefix)
         self.scheduler = Scheduler(kv, opts.token_budget, opts.max_running)
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
-                             cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting)
+                             cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting,
+                             mask_threads=opts.mask_threads)
+        self.grammars = Grammars(tokenizer.tok.to_str(), cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask
         self.bridge = Bridge()
@@ -152,6 +155,9 @@ class Generator:
 
     def check(self, ids: list[int], params: SamplingParams) -> None:
         bad = [(f"sampling.{f}", d) for f, d in params.validate()]
+        outside = [t for t in params.logit_bias if not 0 <= t < self.cfg.vocab_size]
+        if outside:
+            bad.append(("sampling.logit_bias", f"unknown token ids {outside[:5]} (vocab size {self.cfg.vocab_size})"))
         total = len(ids) + params.max_new_tokens
         if total > self.cfg.context_length:
             bad.append(("sampling.max_new_tokens", f"prompt ({len(ids)} tokens) + max_new_tokens "
@@ -166,18 +172,31 @@ class Generator:
                       request_id: str = "", cache_salt: str = "") -> Request:
         """Submit one request (not in a session). Raises InvalidRequest or Overloaded.
         cache_salt: the prefix cache shares blocks only between requests with the same salt."""
-        return self.submit(await self.prompt_ids(prompt), sampling, request_id, cache_salt=cache_salt)
+        ids = await self.prompt_ids(prompt)
+        await self.compile(sampling)
+        return self.submit(ids, sampling, request_id, cache_salt=cache_salt)
+
+    async def compile(self, sampling: SamplingParams | None) -> None:
+        """Compile the request's constraint, if any, off the event loop when it is not cached
+        (raises InvalidRequest for one the grammar engine rejects)."""
+        c = sampling.constraint if sampling else None
+        if c is not None and not self.grammars.cached(c):
+            await asyncio.to_thread(self.grammars.matcher, c)
 
     def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
                session: Session | None = None, keep: int = 0, cache_salt: str = "") -> Request:
         """Hand token ids to the engine; call on the event loop that will read the Request."""
         params = sampling or SamplingParams()
         self.check(ids, params)
+        matcher = self.grammars.matcher(params.constraint) if params.constraint is not None else None
+        if params.prompt_logprobs is not None:
+            keep = 0  # every prompt position is computed again, for its logits
         req = Request(self.options.stream_buffer)
         table = session.cache if session else self.scheduler.kv.new_table()
         seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, req.deliver, table,
                        request_id or uuid.uuid4().hex, keep_kv=session is not None,
-                       resume_from=keep if session else None, on_release=req.on_release, cache_salt=cache_salt)
+                       resume_from=keep if session else None, on_release=req.on_release, cache_salt=cache_salt,
+                       matcher=matcher)
         req.bind(seq, lambda: self.engine.cancel(seq))
         self.engine.submit(seq)
         return req

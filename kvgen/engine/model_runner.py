@@ -109,22 +109,34 @@ class ModelRunner:
                                       inplace=("seq_lens",), enabled=cuda_graphs)
         self._staging = torch.empty((0, 2 + self.width), dtype=torch.int32)
         self.seq_lens: torch.Tensor | None = None  # the last kernel step's lengths, advanced on the device
+        self.prompt_logits: dict = {}  # the last step's, see run()
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each
-        sequence's last new token; writes the new tokens' K/V into the store."""
-        if self.kernel_attention is not None and all(n == 1 for _, n in batch):
+        sequence's last new token; writes the new tokens' K/V into the store. Sequences that
+        asked for prompt logprobs also get the logits of their prompt positions in this step,
+        in self.prompt_logits (seq -> [m, vocab], predicting prompt tokens start+1 .. start+m)."""
+        self.prompt_logits = {}
+        wanted = [(seq, n, _prompt_rows(seq, n)) for seq, n in batch]
+        if self.kernel_attention is not None and all(n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)
         else:
-            logits = self._forward(batch)
-        return logits.cpu() if logits.is_cuda else logits  # sampling runs on the CPU
+            logits = self._forward(batch, wanted)
+        logits = logits.cpu() if logits.is_cuda else logits  # sampling runs on the CPU
+        at = len(batch)
+        for seq, _, m in wanted:
+            if m:
+                self.prompt_logits[seq] = logits[at:at + m]
+                at += m
+        return logits[:len(batch)]
 
     # ---- TorchAttention: any step ----
 
-    def _forward(self, batch: Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch, wanted) -> torch.Tensor:
         ids, positions, blocks, offsets, qlens, ctx, rows, tables, starts = [], [], [], [], [], [], [], [], []
+        prompt_rows = []  # after every sequence's last row: the prompt positions asked for
         row = -1
-        for seq, n in batch:
+        for seq, n, m in wanted:
             start = seq.cache.length
             ids.extend(seq.tokens[start:start + n])
             positions.append(torch.arange(start, start + n))
@@ -133,6 +145,7 @@ class ModelRunner:
             offsets.append(o)
             qlens.append(n)
             ctx.append(start + n)
+            prompt_rows.extend(range(row + 1, row + 1 + m))
             row += n
             rows.append(row)
             tables.append(seq.cache.live_blocks)
@@ -145,7 +158,7 @@ class ModelRunner:
             query_lens=qlens,
             context_lens=ctx,
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long),
-            logits_rows=torch.tensor(rows),
+            logits_rows=torch.tensor(rows + prompt_rows),
             is_decode=all(n == 1 for n in qlens),
             kv_starts=starts if any(starts) else None,
             window=self.window,
@@ -183,6 +196,17 @@ class ModelRunner:
         logits = self.model.forward(inputs["tokens"].long(), step, self.fmt, self.store, self.kernel_attention)
         self.kernel_attention.advance(step)  # after the last layer has read the lengths
         return logits
+
+
+def _prompt_rows(seq, n: int) -> int:
+    """How many of this step's n positions of seq predict a prompt token whose logprob is still
+    owed (0 unless seq asked for prompt logprobs; after a preemption they are owed no more)."""
+    if seq.prompt_logprobs is None:
+        return 0
+    start = seq.cache.length
+    if len(seq.prompt_logprobs) != start + 1:
+        return 0
+    return max(0, min(n, len(seq.prompt_ids) - 1 - start))
 
 
 def _to_device(step: Step, device: torch.device) -> Step:

@@ -39,5 +39,7 @@ class EngineOptions:
     attention_window: int = setting(0, "sliding-window attention over the last N positions (0: the model's own)",
                                     shown="model's own")
     attention_chunk: int = setting(0, "chunked attention: each position sees only its own chunk of N (0: off)")
+    constraint_cache: int = setting(64, "compiled output constraints (schemas, regexes, grammars) kept for reuse")
+    mask_threads: int = setting(1, "threads that compute constrained requests' token masks during a step")
     device: str = setting("cpu", "where the model and the KV pool live: cpu or cuda[:i]")
     cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from CUDA graphs (false: the same step, eagerly)")

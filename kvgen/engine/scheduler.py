@@ -77,7 +77,7 @@ class Scheduler:
         prefix it shares with the session's cache."""
         if seq.resume_from is not None:
             seq.cached_tokens = self.kv.resume(seq.cache, seq.resume_from)
-        elif not seq.keep_kv:  # a request of its own: the prefix cache may hold its start
+        elif not seq.keep_kv and seq.reuses_kv:  # a request of its own: the prefix cache may hold its start
             seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens), len(seq.prompt_ids))
         if self.kv.reserve(seq.cache, min(seq.pending, budget)):
             seq.resume_from = None

@@ -37,6 +37,7 @@ class Event:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[Sampled] = field(default_factory=list)
+    prompt_logprobs: list[Sampled] = field(default_factory=list)  # on the first event, when asked for
     finish_reason: FinishReason | None = None
     matched_stop: str = ""
     usage: Usage | None = None
@@ -47,6 +48,7 @@ class Event:
         self.text += ev.text
         self.token_ids += ev.token_ids
         self.logprobs += ev.logprobs
+        self.prompt_logprobs += ev.prompt_logprobs
         if ev.finish_reason is not None:
             self.finish_reason, self.matched_stop = ev.finish_reason, ev.matched_stop
             self.usage, self.timings, self.error = ev.usage, ev.timings, ev.error
@@ -60,11 +62,14 @@ class Sequence:
     resume_from: for such a turn, how many of the session's cached tokens the prompt shares;
     the scheduler keeps those when it admits the turn (None once admitted, or not a session).
     on_release: called on the engine thread once the engine has let go of the KV blocks.
-    cache_salt: the prefix cache shares blocks only between requests with the same salt."""
+    cache_salt: the prefix cache shares blocks only between requests with the same salt.
+    matcher: the llguidance matcher of the request's constraint (None: unconstrained); it is fed
+    every sampled token and ends the output once the constraint is complete."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: TextTokenizer,
                  eos_ids: list[int], emit, cache: PagedKVCache, request_id: str = "", *,
-                 keep_kv: bool = False, resume_from: int | None = None, on_release=None, cache_salt: str = ""):
+                 keep_kv: bool = False, resume_from: int | None = None, on_release=None, cache_salt: str = "",
+                 matcher=None):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -82,6 +87,13 @@ class Sequence:
             self.stop_ids = set(params.stop_token_ids)
         else:
             self.stop_ids = set() if params.ignore_eos else set(eos_ids)
+        self.matcher = matcher
+        if matcher is not None:  # the grammar allows EOS only where the output may end: it ends it
+            self.stop_ids |= set(eos_ids)
+        # prompt logprobs so far (the first token has none); filled chunk by chunk by the engine
+        self.prompt_logprobs: list[Sampled] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [Sampled(self.prompt_ids[0])]
         self.rng = None  # sampling's own random stream: a seeded request repeats whatever else runs
         if not params.greedy:
             self.rng = torch.Generator()
@@ -107,6 +119,11 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def reuses_kv(self) -> bool:
+        """Whether the prompt may start from cached KV (prompt logprobs need every position computed)."""
+        return self.prompt_logprobs is None
+
+    @property
     def pending(self) -> int:
         """Tokens whose K/V still need computing."""
         return self.num_tokens - self.cache.length
@@ -118,13 +135,21 @@ class Sequence:
             self.first_token_at = now
         self.output_ids.append(s.token_id)
         ev = Event(token_ids=[s.token_id], logprobs=[s] if s.logprob is not None else [])
+        if len(self.output_ids) == 1 and self.prompt_logprobs is not None:
+            ev.prompt_logprobs = self.prompt_logprobs
+        complete = False
+        if self.matcher is not None:
+            if not self.matcher.consume_token(s.token_id):  # the mask makes this unreachable
+                return self.finish(FinishReason.ABORTED, ev, error=RuntimeError(
+                    f"constraint rejected token {s.token_id}: {self.matcher.get_error()}"))
+            complete = self.matcher.is_stopped()
         if s.token_id in self.stop_ids:
             ev.text = self.held  # no stop string can complete any more
             self.held = ""
             return self.finish(FinishReason.STOP_TOKEN, ev, self.tokenizer.token_text(s.token_id))
         text = self.held + self.detok.add(s.token_id)
         at_length = len(self.output_ids) >= self.params.max_new_tokens
-        if at_length:
+        if at_length or complete:
             text += self.detok.flush()
         for stop in self.params.stop_strings:
             i = text.find(stop)
@@ -132,6 +157,9 @@ class Sequence:
                 ev.text = text[:i]
                 self.held = ""
                 return self.finish(FinishReason.STOP_STRING, ev, stop)
+        if complete:  # the constraint is satisfied and nothing may follow: a stop, like EOS
+            ev.text, self.held = text, ""
+            return self.finish(FinishReason.STOP_TOKEN, ev)
         if at_length:
             ev.text, self.held = text, ""
             return self.finish(FinishReason.LENGTH, ev)

@@ -50,6 +50,7 @@ class Session:
             else:
                 messages = []
                 ids = self.history + await self.gen.prompt_ids(prompt)
+            await self.gen.compile(sampling)
             self._check_open()
             req = self.gen.submit(ids, sampling, request_id, session=self, keep=self._shared(ids))
             self._last, self._last_messages = req, messages

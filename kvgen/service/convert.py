@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+from kvgen.engine.constraint import Constraint
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.sequence import Event
 from kvgen.engine.tokenizer import TextTokenizer
@@ -103,10 +104,23 @@ def sampling_of(req: pb.GenerateRequest) -> SamplingParams:
         p.stop_token_ids = list(s.stop_token_ids)
     p.stop_strings = list(s.stop_strings)
     p.ignore_eos = s.ignore_eos
+    for name in ("min_p", "presence_penalty", "frequency_penalty", "min_new_tokens", "prompt_logprobs"):
+        if s.HasField(name):
+            setattr(p, name, getattr(s, name))
+    p.logit_bias = dict(s.logit_bias)
+    kind = s.WhichOneof("constraint")
+    if kind == "choice":
+        p.constraint = Constraint.choice(list(s.choice.choices))
+    elif kind == "json_object":
+        if s.json_object:  # false asks for nothing
+            p.constraint = Constraint("json_object")
+    elif kind is not None:
+        p.constraint = Constraint(kind, getattr(s, kind))
     return p
 
 
 def _logprobs(items: list[Sampled], tok: TextTokenizer) -> list[pb.TokenLogprob]:
+    # (a prompt's first token has no logprob: it is sent as 0 with no alternatives)
     return [pb.TokenLogprob(
         token_id=s.token_id, token=tok.token_text(s.token_id), logprob=s.logprob or 0.0,
         top=[pb.TopLogprob(token_id=t, token=tok.token_text(t), logprob=lp) for t, lp in (s.top or [])])
@@ -126,11 +140,11 @@ def stream_message(ev: Event, request_id: str, tok: TextTokenizer) -> pb.Generat
     return pb.GenerateStreamResponse(
         request_id=request_id, text=ev.text, token_ids=ev.token_ids, logprobs=_logprobs(ev.logprobs, tok),
         finish_reason=int(ev.finish_reason or 0), matched_stop=ev.matched_stop,
-        usage=_usage(ev.usage), timings=_timings(ev.timings))
+        usage=_usage(ev.usage), timings=_timings(ev.timings), prompt_logprobs=_logprobs(ev.prompt_logprobs, tok))
 
 
 def response(r: Event, request_id: str, tok: TextTokenizer) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         request_id=request_id, text=r.text, token_ids=r.token_ids, finish_reason=int(r.finish_reason or 0),
         matched_stop=r.matched_stop, usage=_usage(r.usage), logprobs=_logprobs(r.logprobs, tok),
-        timings=_timings(r.timings))
+        timings=_timings(r.timings), prompt_logprobs=_logprobs(r.prompt_logprobs, tok))

@@ -74,3 +74,79 @@ def test_settings_from_env_parse_types():
     s = Settings.from_env({"PORT": "6000", "CUDA_GRAPHS": "0", "KV_DTYPE": "fp8", "KV_CACHE_MB": "64.5"})
     assert (s.port, s.engine.cuda_graphs, s.engine.kv_dtype, s.engine.kv_cache_mb) == (6000, False, "fp8", 64.5)
     assert Settings.from_env({"CUDA_GRAPHS": "true"}).engine.cuda_graphs is True
+
+
+# --- the controls peers have, against transformers' logits processors (vLLM's formula where
+# transformers has none) ---
+
+def _hf(processor, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
+    return processor(torch.tensor([ids]), logits.clone())
+
+
+def test_adjusted_logits_match_transformers_processors():
+    from transformers import (MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor,
+                              SequenceBiasLogitsProcessor)
+
+    from kvgen.engine.sampling import adjust
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 64, generator=g) * 3
+    prompt, output = [3, 5, 5, 9], [9, 11, 11, 11, 2]
+    ours = adjust(logits, [SamplingParams(repetition_penalty=1.7)], [prompt + output])
+    torch.testing.assert_close(ours, _hf(RepetitionPenaltyLogitsProcessor(1.7), prompt + output, logits))
+    bias = {4: 2.5, 7: -100.0, 63: 0.25}
+    ours = adjust(logits, [SamplingParams(logit_bias=bias)])
+    hf = SequenceBiasLogitsProcessor({(t,): b for t, b in bias.items()})
+    torch.testing.assert_close(ours, _hf(hf, prompt, logits))
+    for generated in (2, 5):  # below and at min_new_tokens
+        out = output[:generated]
+        ours = adjust(logits, [SamplingParams(min_new_tokens=5)], outputs=[out], stops=[{2, 13}])
+        hf = MinNewTokensLengthLogitsProcessor(len(prompt), 5, [2, 13])
+        torch.testing.assert_close(ours, _hf(hf, prompt + out, logits))
+
+
+def test_presence_and_frequency_penalties_follow_vllm():
+    """logits[t] -= frequency_penalty * count(t in output) + presence_penalty * (count > 0); the
+    prompt does not count (vLLM's apply_penalties, OpenAI's formula)."""
+    from kvgen.engine.sampling import adjust
+
+    logits = torch.randn(1, 32)
+    output = [4, 4, 4, 7]
+    ours = adjust(logits, [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)], [[1, 2] + output],
+                  outputs=[output])
+    want = logits.clone()
+    want[0, 4] -= 3 * 0.25 + 0.5
+    want[0, 7] -= 1 * 0.25 + 0.5
+    torch.testing.assert_close(ours, want)
+
+
+def test_the_sampled_distribution_matches_transformers_warpers():
+    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                              TopPLogitsWarper)
+
+    from kvgen.engine.sampling import distribution
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 200, generator=g) * 2
+    for t, k, p, m in [(0.7, 0, 1.0, 0.1), (1.3, 20, 1.0, 0.05), (1.0, 0, 0.8, 0.0), (0.9, 10, 0.7, 0.2),
+                       (1.0, 0, 1.0, 0.3)]:
+        warpers = LogitsProcessorList([TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else [])
+                                      + ([TopPLogitsWarper(p)] if p < 1 else []) + ([MinPLogitsWarper(m)] if m else []))
+        want = torch.softmax(warpers(torch.tensor([[0]]), logits.clone()), -1)
+        got = distribution(logits, [SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m)])
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5, msg=str((t, k, p, m)))
+
+
+def test_min_new_tokens_never_empties_a_constrained_row():
+    """A constraint that allows only a stop token now wins over min_new_tokens."""
+    from kvgen.engine.sampling import adjust
+
+    logits = torch.randn(1, 64)
+    only_eos = torch.zeros((1, 2), dtype=torch.int32)
+    only_eos[0, 0] = 1 << 2  # token 2
+    out = adjust(logits, [SamplingParams(min_new_tokens=5)], outputs=[[]], stops=[{2}], bitmask=only_eos, masked=[0])
+    assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == [2]
+    either = only_eos.clone()
+    either[0, 1] = 1  # token 32 too
+    out = adjust(logits, [SamplingParams(min_new_tokens=5)], outputs=[[]], stops=[{2}], bitmask=either, masked=[0])
+    assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == [32]
