@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -30,8 +31,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repetition-penalty", type=float)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    ap.add_argument("--min-p", type=float)
+    ap.add_argument("--presence-penalty", type=float)
+    ap.add_argument("--frequency-penalty", type=float)
+    ap.add_argument("--min-new-tokens", type=int, help="no stop token before this many tokens")
+    ap.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                    help="add BIAS to token ID's logit (repeatable)")
+    ap.add_argument("--prompt-logprobs", type=int, metavar="K",
+                    help="print each prompt token's logprob (with K alternatives) to stderr")
+    one = ap.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="SCHEMA", help="the output is JSON valid against SCHEMA (text or @file)")
+    one.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    one.add_argument("--regex", help="the output matches this regular expression")
+    one.add_argument("--grammar", metavar="LARK", help="the output parses with this Lark grammar (text or @file)")
+    one.add_argument("--choice", action="append", help="the output is one of the --choice values (repeatable)")
     ap.add_argument("--info", action="store_true", help="print the served model's info and exit")
-    ap.add_argument("--api-key", default=os.environ.get("API_KEY", ""))
+    ap.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY") or os.environ.get("API_KEY", ""),
+                    help="the server's API key (default: $KVGEN_API_KEY, else $API_KEY)")
+    ap.add_argument("--json", action="store_true",
+                    help="print each stream message (or --info) as one JSON object per line, for scripts")
     ap.add_argument("--tls", action="store_true", help="connect with TLS, verifying the server by the system's roots")
     ap.add_argument("--ca-file", help="PEM CA that signed the server's certificate (implies --tls)")
     ap.add_argument("--cert-file", help="PEM client certificate, for a server that requires one (with --key-file)")
@@ -43,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     key_file=args.key_file)
     try:
         if args.info:
-            print(client.model_info())
+            info = client.model_info()
+            print(_json(info) if args.json else info)
             return 0
         if args.prompt is None:
             ap.error("a prompt is required")
@@ -54,13 +73,26 @@ def main(argv: list[str] | None = None) -> int:
         sampling = {k: v for k, v in {
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
             "top_p": args.top_p, "repetition_penalty": args.repetition_penalty, "seed": args.seed,
+            "min_p": args.min_p, "presence_penalty": args.presence_penalty,
+            "frequency_penalty": args.frequency_penalty, "min_new_tokens": args.min_new_tokens,
+            "prompt_logprobs": args.prompt_logprobs, **_constraint(args), **_logit_bias(ap, args.logit_bias),
         }.items() if v is not None}
-        last = None
+        first = last = None
         for msg in client.stream(prompt, stop_strings=args.stop, **sampling):
+            first = first or msg
+            if args.json:  # every message whole, the last one with finish_reason, usage and timings
+                print(_json(msg), flush=True)
+                continue
             sys.stdout.write(msg.text)
             sys.stdout.flush()
             last = msg
+        if args.json:
+            return 0
         sys.stdout.write("\n")
+        if first is not None and first.prompt_logprobs:
+            for p in first.prompt_logprobs:
+                alts = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in p.top)
+                print(f"prompt {p.token!r} {p.logprob:.3f}" + (f" [{alts}]" if alts else ""), file=sys.stderr)
         if last is not None:
             u = last.usage
             print(f"[{last.finish_reason and _reason(last.finish_reason)}; prompt {u.prompt_tokens}, "
@@ -73,6 +105,44 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         client.close()
+
+
+def _text_or_file(value: str) -> str:
+    """"@path" reads a file: a schema or a grammar is rarely one shell word."""
+    return open(value[1:], encoding="utf-8").read() if value.startswith("@") else value
+
+
+def _constraint(args) -> dict:
+    from kvgen.v1 import generate_pb2 as pb
+
+    if args.json_schema is not None:
+        return {"json_schema": _text_or_file(args.json_schema)}
+    if args.json_object:
+        return {"json_object": True}
+    if args.regex is not None:
+        return {"regex": args.regex}
+    if args.grammar is not None:
+        return {"grammar": _text_or_file(args.grammar)}
+    if args.choice:
+        return {"choice": pb.ChoiceList(choices=args.choice)}
+    return {}
+
+
+def _logit_bias(ap, items: list[str]) -> dict:
+    bias = {}
+    for item in items:
+        token, _, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            ap.error(f"--logit-bias wants ID=BIAS, got {item!r}")
+    return {"logit_bias": bias} if bias else {}
+
+
+def _json(msg) -> str:
+    from google.protobuf import json_format
+
+    return json.dumps(json_format.MessageToDict(msg), separators=(",", ":"))
 
 
 def _reason(value: int) -> str:

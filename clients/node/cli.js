@@ -14,6 +14,16 @@ options:
   --chat                 send the prompt as one user chat message (the model's chat template applies)
   --max-new-tokens N     tokens to generate (server default: 256)
   --temperature T        0 = greedy (server default: 1.0)
+  --top-k K, --top-p P, --min-p P, --seed N
+  --presence-penalty X, --frequency-penalty X   in [-2, 2]
+  --min-new-tokens N     no stop token before N tokens
+  --logit-bias ID=BIAS   add BIAS to token ID's logit (repeatable)
+  --stop TEXT            stop string (repeatable)
+  --json-schema SCHEMA   the output is JSON valid against SCHEMA (JSON text, or @file)
+  --json-object          the output is a JSON object
+  --regex RE             the output matches RE
+  --grammar LARK         the output parses with this Lark grammar (text, or @file)
+  --choice TEXT          the output is one of the --choice values (repeatable)
   --target host:port     server address (default: $KVGEN_TARGET or localhost:50051)
   --api-key KEY          bearer token (default: $KVGEN_API_KEY)
   --tls                  connect with TLS, verifying the server by the system's roots
@@ -31,6 +41,35 @@ function number(name, value, integer) {
     throw new Error(`--${name} wants ${integer ? 'an integer' : 'a number'}, got ${JSON.stringify(value)}`);
   }
   return n;
+}
+
+// "@path" reads a file (a schema or a grammar is rarely one shell word).
+function textOrFile(value) {
+  return value.startsWith('@') ? fs.readFileSync(value.slice(1), 'utf8') : value;
+}
+
+// At most one constraint, as the API's oneof takes it.
+function constraintOf(values) {
+  const given = {
+    jsonSchema: values['json-schema'] !== undefined ? textOrFile(values['json-schema']) : undefined,
+    jsonObject: values['json-object'] || undefined,
+    regex: values.regex,
+    grammar: values.grammar !== undefined ? textOrFile(values.grammar) : undefined,
+    choice: values.choice ? { choices: values.choice } : undefined,
+  };
+  const set = Object.entries(given).filter(([, v]) => v !== undefined);
+  if (set.length > 1) throw new Error('give at most one of --json-schema, --json-object, --regex, --grammar, --choice');
+  return Object.fromEntries(set);
+}
+
+function logitBiasOf(items) {
+  const bias = {};
+  for (const item of items) {
+    const m = /^(\d+)=(-?[0-9.]+)$/.exec(item);
+    if (!m) throw new Error(`--logit-bias wants TOKEN_ID=BIAS, got ${JSON.stringify(item)}`);
+    bias[m[1]] = Number(m[2]);
+  }
+  return bias;
 }
 
 // TLS when asked for or when any certificate file is given; insecure (undefined) otherwise.
@@ -52,6 +91,20 @@ async function main(argv) {
         chat: { type: 'boolean', default: false },
         'max-new-tokens': { type: 'string' },
         temperature: { type: 'string' },
+        'top-k': { type: 'string' },
+        'top-p': { type: 'string' },
+        'min-p': { type: 'string' },
+        seed: { type: 'string' },
+        'presence-penalty': { type: 'string' },
+        'frequency-penalty': { type: 'string' },
+        'min-new-tokens': { type: 'string' },
+        'logit-bias': { type: 'string', multiple: true },
+        stop: { type: 'string', multiple: true },
+        'json-schema': { type: 'string' },
+        'json-object': { type: 'boolean', default: false },
+        regex: { type: 'string' },
+        grammar: { type: 'string' },
+        choice: { type: 'string', multiple: true },
         target: { type: 'string' },
         'api-key': { type: 'string' },
         tls: { type: 'boolean', default: false },
@@ -81,7 +134,17 @@ async function main(argv) {
     sampling = {
       maxNewTokens: number('max-new-tokens', values['max-new-tokens'], true),
       temperature: number('temperature', values.temperature, false),
+      topK: number('top-k', values['top-k'], true),
+      topP: number('top-p', values['top-p'], false),
+      minP: number('min-p', values['min-p'], false),
+      seed: number('seed', values.seed, true),
+      presencePenalty: number('presence-penalty', values['presence-penalty'], false),
+      frequencyPenalty: number('frequency-penalty', values['frequency-penalty'], false),
+      minNewTokens: number('min-new-tokens', values['min-new-tokens'], true),
+      stopStrings: values.stop,
+      ...constraintOf(values),
     };
+    if (values['logit-bias']) sampling.logitBias = logitBiasOf(values['logit-bias']);
     credentials = credentialsOf(values);
   } catch (e) {
     process.stderr.write(`${e.message}\n`);

@@ -62,11 +62,20 @@ function load(protoDir) {
 
 const camel = (k) => k.replace(/_([a-z0-9])/g, (_, c) => c.toUpperCase());
 
+// Conveniences for the constraint fields: a schema may be an object, choices a plain array.
+function samplingValue(k, value) {
+  if (k === 'jsonSchema' && typeof value === 'object') return JSON.stringify(value);
+  if (k === 'choice' && Array.isArray(value)) return { choices: value.map(String) };
+  return value;
+}
+
 /**
  * A GenerateRequest from input and sampling parameters.
  * @param {string | Array<{role: string, content: string}> | number[]} input
  *   a prompt, chat messages, or prompt token ids.
- * @param {object} [sampling] SamplingParams fields, snake_case or camelCase.
+ * @param {object} [sampling] SamplingParams fields, snake_case or camelCase; one constraint at most:
+ *   jsonSchema (a string or an object), regex, grammar (Lark), choice (an array of strings) or
+ *   jsonObject: true; logitBias is an object of token id -> bias.
  * @param {{sessionId?: string, requestId?: string}} [opts]
  */
 function buildRequest(input, sampling = {}, opts = {}) {
@@ -90,7 +99,7 @@ function buildRequest(input, sampling = {}, opts = {}) {
     if (value === undefined || value === null) continue;
     const k = camel(key);
     if (!(k in fields)) throw new TypeError(`unknown sampling parameter ${JSON.stringify(key)}`);
-    s[k] = value;
+    s[k] = samplingValue(k, value);
   }
   req.sampling = s;
   if (opts.sessionId) req.sessionId = opts.sessionId;

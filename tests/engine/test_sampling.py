@@ -84,8 +84,11 @@ def _hf(processor, ids: list[int], logits: torch.Tensor) -> torch.Tensor:
 
 
 def test_adjusted_logits_match_transformers_processors():
-    from transformers import (MinNewTokensLengthLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                              SequenceBiasLogitsProcessor)
+    from transformers import (
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
 
     from kvgen.engine.sampling import adjust
 
@@ -121,8 +124,13 @@ def test_presence_and_frequency_penalties_follow_vllm():
 
 
 def test_the_sampled_distribution_matches_transformers_warpers():
-    from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
-                              TopPLogitsWarper)
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     from kvgen.engine.sampling import distribution
 

@@ -38,8 +38,9 @@ SCHEMAS = [
     {"type": "object", "properties": {
         "author": {"type": "object", "properties": {"first": NAME, "last": NAME}, "required": ["first", "last"]},
         "year": {"type": "integer", "minimum": 1900, "maximum": 2030}}, "required": ["author", "year"]},
-    {"type": "object", "properties": {"point": {"type": "array", "prefixItems": [{"type": "number"}, {"type": "number"}],
-                                                "items": False}}, "required": ["point"]},
+    {"type": "object", "properties": {"point": {"type": "array", "items": False,
+                                                "prefixItems": [{"type": "number"}, {"type": "number"}]}},
+     "required": ["point"]},
     {"anyOf": [{"type": "object", "properties": {"cat": NAME}, "required": ["cat"]},
                {"type": "object", "properties": {"dog": NAME}, "required": ["dog"]}]},
     {"type": "object", "properties": {"pet": {"oneOf": [
