@@ -13,7 +13,8 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-slow test-gpu protos lint bench bench-kv bench-gpu bench-soak bench-ab clean
+.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured clean
+.PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
 	$(PY) -m kvgen.service.server
@@ -27,7 +28,50 @@ test-slow: $(STAMP) $(STUBS)
 test-gpu: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q -m gpu tests
 
+# The other clients' suites alone (`make test` runs them too). Each installs what it needs: the Go
+# client Debian's Go toolchain and gRPC packages (clients/go/Makefile), lm-eval its own venv.
+test-go: $(STAMP) $(STUBS)
+	$(PY) -m pytest -q tests/service/test_go_client.py
+
+test-lmeval: $(STAMP) $(STUBS) lmeval-env
+	$(PY) -m pytest -q tests/service/http/test_lm_eval.py
+
+# lm-eval (and its datasets/evaluate stack) in a venv of its own: it only talks HTTP to the server,
+# and must not move the pins of .venv.
+LMEVAL_VENV ?= .venv-lmeval
+lmeval-env: $(LMEVAL_VENV)/.installed
+$(LMEVAL_VENV)/.installed:
+	test -x $(LMEVAL_VENV)/bin/python || $(PYTHON) -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q 'lm-eval[api]==0.4.13'
+	touch $@
+
 protos: $(STUBS)
+
+# The service mesh (deploy/, README "Deployment"). Envoy's JSON transcoder reads kvgen.v1 as a
+# descriptor set (with google.rpc's error details, so errors transcode too); Kubernetes gets a copy
+# beside its kustomization, for the envoy-config ConfigMap.
+DESCRIPTORS := deploy/envoy/kvgen.pb deploy/k8s/kvgen.pb
+descriptors: $(DESCRIPTORS)
+
+deploy/envoy/kvgen.pb: protos/kvgen/v1/generate.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos -I $(GOOGLE_PROTOS) --include_imports --descriptor_set_out=$@ \
+	  protos/kvgen/v1/generate.proto $(GOOGLE_PROTOS)/google/rpc/error_details.proto
+
+deploy/k8s/kvgen.pb: deploy/envoy/kvgen.pb
+	cp $< $@
+
+# The manifests, rendered (kubectl kustomize, or deploy/kustomize.py where kubectl is missing):
+# make -s k8s | kubectl apply -f -
+k8s: $(DESCRIPTORS)
+	@if command -v kubectl >/dev/null; then kubectl kustomize deploy/k8s; else $(PY) -m deploy.kustomize deploy/k8s; fi
+
+# deploy/k8s/envoy.yaml from deploy/envoy/envoy.yaml, after editing the latter
+k8s-envoy: $(STAMP)
+	$(PY) deploy/envoy/render.py --k8s > deploy/k8s/envoy.yaml
+
+# Two replicas of `make serve` behind Envoy on :8080 (gRPC, gRPC-Web, JSON), until Ctrl-C
+mesh: $(STAMP) $(STUBS)
+	$(PY) -m deploy.mesh --replicas 2 --port 8080
 
 # torch goes first and alone: the machine's local CPU file satisfies the pin, so the
 # later install resolves nothing else for it.
@@ -57,6 +101,12 @@ lint: $(STAMP) $(STUBS)
 bench: $(STAMP) $(STUBS)
 	bash bench/setup_llamacpp.sh
 	$(PY) bench/cpu.py
+	$(PY) bench/structured.py
+
+# constrained vs unconstrained decode, schema compile times, llama.cpp's grammar sampling
+bench-structured: $(STAMP) $(STUBS)
+	bash bench/setup_llamacpp.sh
+	$(PY) bench/structured.py
 
 bench-kv: $(STAMP) $(STUBS)
 	$(PY) bench/kv.py
@@ -73,5 +123,10 @@ bench-ab: $(STAMP) $(STUBS)
 bench-soak: $(STAMP) $(STUBS)
 	$(PY) bench/soak.py $(SOAK_ARGS)
 
+# 2 replicas behind Envoy vs 1 direct under locust session traffic: bench/results/mesh.md
+bench-mesh: $(STAMP) $(STUBS)
+	$(PIP) install -q -e '.[bench]'
+	$(PY) bench/mesh.py $(MESH_ARGS)
+
 clean:
-	rm -rf $(VENV) $(STUBS) kvgen/v1/generate_pb2.pyi
+	rm -rf $(VENV) $(LMEVAL_VENV) clients/go/.build $(STUBS) kvgen/v1/generate_pb2.pyi

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,7 +17,12 @@ from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
 def request(prompt: str | list[dict] | list[int], session_id: str = "", request_id: str = "",
             cache_salt: str = "", **sampling) -> pb.GenerateRequest:
-    """A GenerateRequest from a prompt (text, chat messages or token ids) and sampling fields."""
+    """A GenerateRequest from a prompt (text, chat messages or token ids) and sampling fields
+    (json_schema may be a dict, choice a list of strings)."""
+    if isinstance(sampling.get("json_schema"), dict):
+        sampling["json_schema"] = json.dumps(sampling["json_schema"])
+    if isinstance(sampling.get("choice"), list | tuple):
+        sampling["choice"] = pb.ChoiceList(choices=sampling["choice"])
     req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), session_id=session_id, request_id=request_id,
                              cache_salt=cache_salt)
     if isinstance(prompt, str):
@@ -25,6 +32,26 @@ def request(prompt: str | list[dict] | list[int], session_id: str = "", request_
     else:
         req.prompt_token_ids.extend(prompt)
     return req
+
+
+# Behind a mesh every call of a session carries its id as metadata, and the proxy routes by it to
+# the replica that holds the session (deploy/envoy); the server checks it agrees with the body.
+SESSION_HEADER = "x-session-id"
+REPLICA_TRAILER = "x-kvgen-replica"  # which replica answered a call (a trailer of every success)
+
+
+def replica(call) -> str:
+    """The replica that answered: from a finished call (a stream read to its end, or the call of
+    a `.with_call` unary)."""
+    return dict(call.trailing_metadata() or ()).get(REPLICA_TRAILER, "")
+
+
+def session_lost(e: grpc.RpcError) -> bool:
+    """A session call failed because its session is gone: NOT_FOUND (closed, expired, or its
+    replica died and the mesh routed the call to another one) or UNAVAILABLE (its replica is
+    unreachable). The remedy is to open the session again (Client.create_session(same id)) and
+    resend the conversation."""
+    return e.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
 
 
 # The server sends up to MAX_SEND_BYTES (64 MiB by default); grpc clients accept 4 MB unless told.
@@ -55,11 +82,17 @@ class Client:
         self.stub = pb_grpc.GeneratorStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
+    def _metadata(self, session_id: str = "") -> tuple[tuple[str, str], ...]:
+        """The API key, and a session's id for the mesh to route by."""
+        return (*self.metadata, (SESSION_HEADER, session_id)) if session_id else self.metadata
+
     def generate(self, prompt, timeout: float | None = None, **kw) -> pb.GenerateResponse:
-        return self.stub.Generate(request(prompt, **kw), timeout=timeout, metadata=self.metadata)
+        return self.stub.Generate(request(prompt, **kw), timeout=timeout,
+                                  metadata=self._metadata(kw.get("session_id", "")))
 
     def stream(self, prompt, timeout: float | None = None, **kw) -> Iterator[pb.GenerateStreamResponse]:
-        return self.stub.GenerateStream(request(prompt, **kw), timeout=timeout, metadata=self.metadata)
+        return self.stub.GenerateStream(request(prompt, **kw), timeout=timeout,
+                                        metadata=self._metadata(kw.get("session_id", "")))
 
     def batch(self, requests: list[pb.GenerateRequest], timeout: float | None = None) -> pb.BatchGenerateResponse:
         return self.stub.BatchGenerate(pb.BatchGenerateRequest(requests=requests), timeout=timeout,
@@ -68,14 +101,32 @@ class Client:
     def model_info(self) -> pb.GetModelInfoResponse:
         return self.stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=self.metadata)
 
-    def create_session(self) -> str:
-        return self.stub.CreateSession(pb.CreateSessionRequest(), metadata=self.metadata).session_id
+    def create_session(self, session_id: str = "") -> str:
+        """Open a session under session_id (default: a fresh random id, chosen here so that the
+        CreateSession call itself is routed by it, to the replica its later turns go to)."""
+        sid = session_id or uuid.uuid4().hex
+        return self.stub.CreateSession(pb.CreateSessionRequest(session_id=sid),
+                                       metadata=self._metadata(sid)).session_id
 
     def close_session(self, session_id: str) -> None:
-        self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=self.metadata)
+        self.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id), metadata=self._metadata(session_id))
+
+    def abort(self, request_ids: list[str], routing_key: str = "") -> pb.AbortResponse:
+        """End running requests by id (on the server this channel reaches; behind a mesh, send the
+        routing_key the requests were sent with)."""
+        return self.stub.Abort(pb.AbortRequest(request_ids=request_ids), metadata=self._metadata(routing_key))
+
+    def load(self) -> pb.GetLoadResponse:
+        return self.stub.GetLoad(pb.GetLoadRequest(), metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def wait_serving(target: str, timeout: float = 180, alive: Callable[[], bool] = lambda: True) -> None:

@@ -35,3 +35,7 @@ class Unavailable(RuntimeError):
 class ClientTooSlow(Overloaded):
     """A stream's reader fell too far behind: the request was ended so the server does not hold
     its output (RESOURCE_EXHAUSTED, like any overload)."""
+
+
+class Cancelled(RuntimeError):
+    """The request was ended by an Abort call (CANCELLED), not by its own client."""

@@ -14,6 +14,7 @@
  * parameters may be given in either spelling (max_new_tokens or maxNewTokens).
  */
 
+const crypto = require('node:crypto');
 const fs = require('node:fs');
 const path = require('node:path');
 const grpc = require('@grpc/grpc-js');
@@ -23,6 +24,9 @@ const protobuf = require('protobufjs');
 const DEFAULT_PROTO_DIR = path.resolve(__dirname, '..', '..', 'protos');
 const GOOGLE_PROTO_DIR = path.dirname(require.resolve('google-proto-files/package.json'));
 const PROTO_FILES = ['kvgen/v1/generate.proto', 'google/rpc/status.proto', 'google/rpc/error_details.proto'];
+
+/** The metadata a mesh routes a session's calls by (the session id; see README "Deployment"). */
+const SESSION_HEADER = 'x-session-id';
 
 /** Options shared by proto-loader (calls) and protobufjs (error details), so both give the same shapes. */
 const OBJECT_OPTIONS = { longs: String, enums: String, defaults: true, oneofs: true };
@@ -270,6 +274,9 @@ class KvgenClient {
   _metadata(opts) {
     const md = new grpc.Metadata();
     if (this.apiKey) md.set('authorization', `Bearer ${this.apiKey}`);
+    // Behind a mesh every call of a session carries its id, and the proxy routes by it to the
+    // replica that holds the session (deploy/envoy).
+    if (opts.sessionId) md.set(SESSION_HEADER, opts.sessionId);
     for (const [k, v] of Object.entries(opts.metadata || {})) md.set(k, v);
     return md;
   }
@@ -337,14 +344,33 @@ class KvgenClient {
     return this._unary('GetModelInfo', {}, opts);
   }
 
-  /** Opens a session whose KV cache is kept between calls. @returns {Promise<{sessionId: string, ttlSeconds: number}>} */
+  /**
+   * Opens a session whose KV cache is kept between calls, under opts.sessionId or a fresh random
+   * id chosen here (so that a mesh routes CreateSession itself by it, to where its turns will go).
+   * @returns {Promise<{sessionId: string, ttlSeconds: number}>}
+   */
   createSession(opts = {}) {
-    return this._unary('CreateSession', {}, opts);
+    const sessionId = opts.sessionId || crypto.randomUUID().replace(/-/g, '');
+    return this._unary('CreateSession', { sessionId }, { ...opts, sessionId });
   }
 
   /** Frees a session and its KV cache. */
   async closeSession(sessionId, opts = {}) {
-    await this._unary('CloseSession', { sessionId }, opts);
+    await this._unary('CloseSession', { sessionId }, { ...opts, sessionId });
+  }
+
+  /**
+   * Ends running requests by id (on the server this client reaches; behind a mesh, pass the
+   * routing key the requests were sent with as opts.sessionId).
+   * @returns {Promise<{aborted: string[], unknown: string[]}>}
+   */
+  abort(requestIds, opts = {}) {
+    return this._unary('Abort', { requestIds }, opts);
+  }
+
+  /** @returns {Promise<object>} GetLoadResponse: running, waiting, KV use, tokens/s... */
+  load(opts = {}) {
+    return this._unary('GetLoad', {}, opts);
   }
 
   /** Closes the channel. */
@@ -353,8 +379,19 @@ class KvgenClient {
   }
 }
 
+/**
+ * Whether a session call failed because its session is gone (closed, expired, or its replica
+ * died): NOT_FOUND or UNAVAILABLE. The remedy is createSession({sessionId}) again and resending
+ * the conversation.
+ */
+function sessionLost(err) {
+  return err != null && (err.code === grpc.status.NOT_FOUND || err.code === grpc.status.UNAVAILABLE);
+}
+
 module.exports = {
   KvgenClient,
+  SESSION_HEADER,
+  sessionLost,
   GenerateStream,
   buildRequest,
   badRequestFields,

@@ -17,6 +17,8 @@ class Settings:
     host: str = setting("0.0.0.0", "listen address")
     port: int = setting(50051, "gRPC port")
     metrics_port: int = setting(9464, "Prometheus /metrics port (0 = off)")
+    http_port: int = setting(0, "OpenAI-compatible HTTP API port: /v1/chat/completions, /v1/completions, "
+                                "/v1/models (0 = off)")
     model: str = setting("", "a GGUF file or a Hugging Face folder (empty: the embedded model)",
                          shown="embedded SmolLM2")
     grace_s: float = setting(10.0, "how long in-flight streams may finish on SIGTERM")
@@ -37,6 +39,8 @@ class Settings:
     max_prompt_bytes: int = setting(256 * 1024, "largest prompt (or all messages together) in bytes, checked before "
                                                 "tokenizing")
     max_batch_entries: int = setting(64, "most requests in one BatchGenerate")
+    replica_id: str = setting("", "this server's name in GetLoad and in each response's x-kvgen-replica trailer "
+                                  "(empty: host name and port)", shown="host:port")
     liveness_stall_s: float = setting(30.0, "liveness turns NOT_SERVING when the engine makes no progress on pending "
                                             "work for this long")
     engine: EngineOptions = field(default_factory=EngineOptions)

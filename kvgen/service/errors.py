@@ -6,7 +6,7 @@ import grpc
 from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 
-from kvgen.errors import InvalidRequest, NotFound, Overloaded, Unavailable
+from kvgen.errors import Cancelled, InvalidRequest, NotFound, Overloaded, Unavailable
 
 # A status travels in trailing metadata, which clients cap (16 KiB by default): an error that
 # echoes a client's input must stay far below that, whatever the input was.
@@ -46,6 +46,8 @@ def _to_status(e: Exception) -> status_pb2.Status:
         return _status(code_pb2.NOT_FOUND, str(e))
     if isinstance(e, Unavailable):
         return _status(code_pb2.UNAVAILABLE, str(e))
+    if isinstance(e, Cancelled):
+        return _status(code_pb2.CANCELLED, str(e))
     return _status(code_pb2.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
 

@@ -14,7 +14,7 @@ import grpc
 from grpc_status import rpc_status
 
 from kvgen.errors import InvalidRequest
-from kvgen.service import convert
+from kvgen.service import control, convert, routing
 from kvgen.service.config import Settings
 from kvgen.service.errors import clip, to_status
 
@@ -26,6 +26,8 @@ CHECKS = {
     _PREFIX + "GenerateStream": convert.check_request,
     _PREFIX + "BatchGenerate": convert.check_batch,
     _PREFIX + "CloseSession": lambda req, settings: convert.check_session_id(req.session_id),
+    _PREFIX + "CreateSession": routing.check_create_session,
+    _PREFIX + "Abort": control.check_abort,
 }
 
 

@@ -91,6 +91,13 @@ class Metrics:
         self._sched = sched
         self._model = {h: h.labels(gen.cfg.name) for h in (self.ttft, self.tpot, self.duration)}
 
+    def bind_load(self, load) -> None:
+        """The rates GetLoad reports (service/load.py), from the same window, read at scrape time."""
+        Gauge("kvgen_generation_tokens_per_second", "Tokens generated per second over the last seconds",
+              registry=self.registry).set_function(load.tokens_per_second)
+        Gauge("kvgen_requests_finished_per_second", "Requests finished per second over the last seconds",
+              registry=self.registry).set_function(load.requests_per_second)
+
     def sync(self, *_) -> None:
         """After each engine step (Engine.on_step)."""
         delta = self._sched.preemptions - self._seen_preemptions

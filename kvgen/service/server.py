@@ -1,10 +1,12 @@
-"""`python -m kvgen.service.server`: serve kvgen.v1.Generator on PORT, metrics on METRICS_PORT."""
+"""`python -m kvgen.service.server`: serve kvgen.v1.Generator on PORT, metrics on METRICS_PORT, the OpenAI-compatible
+HTTP API on HTTP_PORT."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -16,7 +18,10 @@ from kvgen.service import transport
 from kvgen.service.auth import AuthInterceptor
 from kvgen.service.config import Settings
 from kvgen.service.gate import GateInterceptor
+from kvgen.service.http.app import HttpApi
 from kvgen.service.liveness import LIVENESS, Watchdog
+from kvgen.service.load import Load
+from kvgen.service.load_report import LoadReportInterceptor
 from kvgen.service.metrics import Metrics
 from kvgen.service.servicer import GeneratorServicer
 from kvgen.service.tracing import Tracing
@@ -55,6 +60,8 @@ class Server:
             interceptors.append(self.tracing.interceptor())
         if self.metrics:
             interceptors.append(self.metrics.interceptor())
+        self.load_report = LoadReportInterceptor(settings.replica_id)  # trailers: replica, ORCA load
+        interceptors.append(self.load_report)
         if settings.api_key:  # before the gate: a caller without the key gets nothing parsed
             interceptors.append(AuthInterceptor(settings.api_key))
         interceptors.append(GateInterceptor(settings))  # innermost: it wraps the real deserializers
@@ -69,6 +76,9 @@ class Server:
         address = f"{settings.host}:{settings.port}"
         self.port = self.grpc.add_secure_port(address, creds) if creds else self.grpc.add_insecure_port(address)
         self.tls = creds is not None
+        # the OpenAI-compatible API on its own port, over the same engine, keys, metrics and traces
+        self.http = HttpApi(settings, self.tracing, self.metrics) if settings.http_port else None
+        self.replica = self.load_report.replica = settings.replica_id or f"{socket.gethostname()}:{self.port}"
         self._watchdog: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
@@ -79,13 +89,22 @@ class Server:
 
     async def start(self) -> None:
         await self.grpc.start()
+        if self.http:
+            await self.http.start()  # 503 until the model is loaded, as gRPC is UNAVAILABLE
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)  # loading is alive
         log.info("listening on port %d; loading the model", self.port)
         gen = self._gen or await asyncio.to_thread(Generator.load, self.settings.model or None, self.settings.engine)
+        load = Load(gen, self.replica)
+        listen(gen.engine, "on_step", load.on_step)
+        listen(gen.engine, "on_release", load.on_release)
+        self.servicer.load = self.load_report.load = load
         self.servicer.gen = gen
+        if self.http:
+            self.http.bind(gen)
         if self.metrics:
             self.metrics.bind(gen)
+            self.metrics.bind_load(load)
             listen(gen.engine, "on_step", self.metrics.sync)
             listen(gen.engine, "on_release", self.metrics.observe)
             self.metrics_server = self.metrics.serve(self.settings.metrics_port, self.settings.host)
@@ -111,7 +130,8 @@ class Server:
         log.info("draining (grace %.1fs)", self.settings.grace_s)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.draining = True
-        await self.grpc.stop(self.settings.grace_s)
+        # both APIs drain at once, within the one grace period
+        await asyncio.gather(self.grpc.stop(self.settings.grace_s), *([self.http.stop()] if self.http else []))
         if getattr(self, "_reaper", None):
             self._reaper.cancel()
         if self._watchdog:  # liveness stays SERVING through the drain; the watchdog ends with it

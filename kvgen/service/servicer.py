@@ -11,10 +11,12 @@ from contextlib import aclosing, nullcontext
 from opentelemetry import trace
 
 from kvgen.engine.generator import Generator
+from kvgen.engine.request import Request
 from kvgen.engine.sequence import Event
 from kvgen.engine.session import Session
-from kvgen.errors import InvalidRequest, NotFound, Overloaded, Unavailable
-from kvgen.service import convert, tracing
+from kvgen.errors import Cancelled, InvalidRequest, NotFound, Overloaded, Unavailable
+from kvgen.service import convert, routing, tracing
+from kvgen.service.control import InFlight
 from kvgen.service.errors import abort, clip, to_status
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
@@ -27,6 +29,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         self.owners: dict[str, str] = {}  # session id -> the API key that opened it ("" without keys)
         self.settings = None  # the server's Settings: request limits (None: the defaults)
         self.tracing: tracing.Tracing | None = None  # set by the server when tracing is on
+        self.inflight = InFlight()  # running requests by id, for Abort
+        self.load = None  # the server's load.Load, set once the model is loaded (GetLoad)
 
     def _ready(self) -> Generator:
         if self.draining:
@@ -41,6 +45,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         The current span (the RPC's, or a batch entry's) gets the GenAI attributes."""
         span = trace.get_current_span()
         key = _caller_key(context)
+        routing.check_agrees(req.session_id, context)  # the mesh routed this call by its metadata
         if not span.is_recording():
             async with aclosing(self._request_events(req, request_id, key)) as events:
                 async for ev in events:
@@ -72,12 +77,15 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         prompt = convert.prompt_of(req, self.settings)
         if req.session_id:
             session = self._session(gen, req.session_id, key)
-            request = session.request(prompt, params, request_id)
+            request = await session.request(prompt, params, request_id)
         else:
-            request = gen.request(prompt, params, request_id, cache_salt=req.cache_salt)
-        async with aclosing(gen.events(request)) as events:  # leaving early cancels the request
-            async for ev in events:
-                yield ev
+            request = await gen.request(prompt, params, request_id, cache_salt=req.cache_salt)
+        with self.inflight.track(key, request_id, request):
+            async with aclosing(gen.events(_given(request))) as events:  # leaving early cancels the request
+                async for ev in events:
+                    if ev.finish_reason is not None and self.inflight.was_aborted(request):
+                        raise Cancelled(f"request {clip(request_id)!r} was ended by an Abort call")
+                    yield ev
 
     def _session(self, gen: Generator, session_id: str, key: str) -> Session:
         """The caller's open session (a session opened with another API key is not found)."""
@@ -154,7 +162,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             if key and per_key and sum(k == key for k in self.owners.values()) >= per_key:
                 raise Overloaded(f"{per_key} sessions already open with this API key (MAX_SESSIONS_PER_KEY)",
                                  retry_after=5.0)
-            s = gen.new_session()
+            s = gen.new_session(routing.new_session_id(request.session_id, context))
         except Exception as e:
             await _abort(context, e)
         self.owners[s.session_id] = key
@@ -178,6 +186,21 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             await _abort(context, e)
         return pb.CloseSessionResponse()
 
+    async def Abort(self, request, context):
+        try:
+            self._ready_or_draining()  # a draining server may still be asked to end its streams
+            aborted, unknown = await self.inflight.abort(_caller_key(context), list(request.request_ids))
+        except Exception as e:
+            await _abort(context, e)
+        return pb.AbortResponse(aborted=aborted, unknown=unknown)
+
+    async def GetLoad(self, request, context):
+        try:
+            self._ready_or_draining()  # a router asks a draining server too: `accepting` tells it
+        except Exception as e:
+            await _abort(context, e)
+        return self.load.snapshot(accepting=not self.draining)
+
     def _ready_or_draining(self) -> Generator:
         if self.gen is None:
             raise Unavailable("the model is still loading")
@@ -189,6 +212,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             live = set(self.gen.sessions)
             for sid in [s for s in self.owners if s not in live]:
                 self.owners.pop(sid, None)
+
+
+async def _given(request: Request) -> Request:
+    """An already submitted request, as the awaitable Generator.events takes."""
+    return request
 
 
 def _settle(fut: asyncio.Future) -> None:

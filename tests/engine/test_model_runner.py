@@ -106,7 +106,8 @@ def _forward_decode(model, fmt, store, caches, tokens):
 
 def _sequences(token_lists, caches):
     """Stand-ins for the engine's sequences, with what ModelRunner reads: tokens and cache."""
-    return [SimpleNamespace(tokens=list(t), cache=c) for t, c in zip(token_lists, caches, strict=True)]
+    return [SimpleNamespace(tokens=list(t), cache=c, prompt_logprobs=None)
+            for t, c in zip(token_lists, caches, strict=True)]
 
 
 def _compare_decode(model, kv, kernels, graphs, lens=(5, 16, 17, 1, 30), steps=3, atol=1e-4):

@@ -45,6 +45,10 @@ def messages(cls, overrides: dict | None = None, max_list: int = 4, depth: int =
         if f.full_name in overrides:
             required[f.name] = overrides[f.full_name]
             continue
+        if f.type == F.TYPE_MESSAGE and f.message_type.GetOptions().map_entry:  # map<k, v>
+            key, value = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+            optional[f.name] = st.dictionaries(_scalar(key), _scalar(value), max_size=max_list)
+            continue
         if f.type == F.TYPE_MESSAGE:
             if depth == 0 or f.message_type.full_name.startswith("google."):
                 continue

@@ -128,6 +128,38 @@ describe('KvgenClient', { skip: TARGET ? false : 'KVGEN_TARGET is not set' }, ()
     await assert.rejects(client.generate('hi', { max_new_tokens: 1 }, { sessionId }), { code: status.NOT_FOUND });
   });
 
+  test('a client-chosen session id, sent as x-session-id metadata', async () => {
+    const { sessionId } = await client.createSession({ sessionId: 'node-chosen-1' });
+    assert.equal(sessionId, 'node-chosen-1');
+    const picked = await client.createSession();
+    assert.match(picked.sessionId, /^[0-9a-f]{32}$/);
+    const r = await client.generate('hi', { max_new_tokens: 1 }, { sessionId });
+    assert.equal(r.tokenIds.length, 1);
+    // the metadata is there: one that disagrees with the body is refused
+    await assert.rejects(
+      client.generate('hi', { max_new_tokens: 1 }, { sessionId, metadata: { 'x-session-id': 'other' } }),
+      (err) => err.code === status.INVALID_ARGUMENT && badRequestFields(err)[0].field === 'session_id',
+    );
+    await client.closeSession(sessionId);
+    await client.closeSession(picked.sessionId);
+  });
+
+  test('Abort from a second client ends a stream; GetLoad', async () => {
+    const s = client.stream('Once upon a time', { max_new_tokens: 2000, ignore_eos: true }, { requestId: 'node-long' });
+    const it = s[Symbol.asyncIterator]();
+    assert.ok((await it.next()).value.tokenIds.length > 0);
+    const other = new KvgenClient(TARGET);
+    const out = await other.abort(['node-long', 'nope']);
+    assert.deepEqual([out.aborted, out.unknown], [['node-long'], ['nope']]);
+    await assert.rejects(async () => {
+      for (;;) if ((await it.next()).done) break;
+    }, (err) => err.code === status.CANCELLED);
+    const load = await other.load();
+    assert.equal(load.runningRequests, 0);
+    assert.ok(load.kvBlocksTotal > 0 && load.accepting);
+    other.close();
+  });
+
   test('model info', async () => {
     const info = await client.modelInfo();
     assert.equal(info.architecture, 'llama');

@@ -1,0 +1,1 @@
+"""deploy/envoy: the Envoy config and its renderer."""

@@ -1,0 +1,299 @@
+"""deploy/envoy: the config validates on the wheel's Envoy, and two real replicas behind a real
+Envoy on loopback route, retry, drain and transcode as the README says. Replicas say which of
+them answered in the x-kvgen-replica trailer."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import struct
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+
+from deploy.mesh import build_descriptor_set, envoy_binary
+from kvgen.client import SESSION_HEADER, Client, replica, request, session_lost
+from kvgen.v1 import generate_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[2]
+HANG_S = 10  # no call in these tests may take this long: a dead replica is an error, not a wait
+
+
+def _validate(config: Path) -> str:
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(config), "--disable-hot-restart"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout + out.stderr
+
+
+def test_the_configs_validate_without_deprecation_warnings(tmp_path):
+    descriptor = str(build_descriptor_set(tmp_path / "kvgen.pb"))
+    local = (ROOT / "deploy/envoy/envoy.yaml").read_text().replace("deploy/envoy/kvgen.pb", descriptor)
+    k8s = (ROOT / "deploy/k8s/envoy.yaml").read_text().replace("/etc/envoy/kvgen.pb", descriptor)
+    for name, text in (("local", local), ("k8s", k8s)):
+        (tmp_path / f"{name}.yaml").write_text(text)
+        log = _validate(tmp_path / f"{name}.yaml")
+        assert "deprecated" not in log.lower() and "[warning]" not in log, log
+
+
+def test_the_config_says_what_the_mesh_needs():
+    cfg = yaml.safe_load((ROOT / "deploy/envoy/envoy.yaml").read_text())
+    hcm = cfg["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = {r["name"]: r for r in hcm["route_config"]["virtual_hosts"][0]["routes"]}
+    sessions = routes["sessions"]
+    assert sessions["match"]["headers"][0] == {"name": SESSION_HEADER, "present_match": True}
+    assert sessions["route"]["hash_policy"] == [{"header": {"header_name": SESSION_HEADER}}]
+    for r in routes.values():
+        assert r["route"]["timeout"] == "0s"  # the client's grpc-timeout governs
+        assert r["route"]["max_stream_duration"] == {"grpc_timeout_header_max": "0s"}
+        retry = r["route"]["retry_policy"]
+        assert set(retry["retry_on"].split(",")) >= {"unavailable", "refused-stream", "reset"}
+        assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
+    filters = [f["name"] for f in hcm["http_filters"]]
+    assert filters == ["envoy.filters.http.grpc_web", "envoy.filters.http.grpc_json_transcoder",
+                       "envoy.filters.http.router"]
+    assert hcm["http_filters"][1]["typed_config"]["auto_mapping"] is True
+    clusters = {c["name"]: c for c in cfg["static_resources"]["clusters"]}
+    policy = {n: c["load_balancing_policy"]["policies"][0]["typed_extension_config"]["name"]
+              for n, c in clusters.items()}
+    assert policy == {"kvgen": "envoy.load_balancing_policies.least_request",
+                      "kvgen_sessions": "envoy.load_balancing_policies.ring_hash",
+                      "kvgen_weighted": "envoy.load_balancing_policies.client_side_weighted_round_robin"}
+    for c in clusters.values():
+        assert c["health_checks"][0]["grpc_health_check"] == {"service_name": "kvgen.v1.Generator"}
+        assert c["outlier_detection"]["max_ejection_percent"] <= 50
+
+
+# --- the loopback mesh: r0 and r1 behind Envoy ---
+
+
+def _md(sid: str) -> tuple[tuple[str, str]]:
+    return ((SESSION_HEADER, sid),)
+
+
+def test_every_turn_of_a_session_lands_on_the_replica_that_holds_it(mesh):
+    c = Client(mesh.target)
+    holder = {}
+    for i in range(40):
+        sid = f"sticky-{i:02d}"
+        _, call = c.stub.CreateSession.with_call(pb.CreateSessionRequest(session_id=sid), metadata=_md(sid),
+                                                 timeout=HANG_S)
+        holder[sid] = replica(call)
+    assert set(holder.values()) == {"r0", "r1"}  # the ring spreads sessions over both
+    for sid, where in holder.items():
+        r, call = c.stub.Generate.with_call(request("hello there", session_id=sid, max_new_tokens=4, ignore_eos=True),
+                                            metadata=_md(sid), timeout=HANG_S)
+        assert replica(call) == where and len(r.token_ids) == 4
+        stream = c.stub.GenerateStream(request(" and again", session_id=sid, max_new_tokens=4, ignore_eos=True),
+                                       metadata=_md(sid), timeout=HANG_S)
+        msgs = list(stream)
+        assert replica(stream) == where
+        assert msgs[-1].usage.cached_tokens > 0  # the replica had the session's cache: it holds it
+        r = c.generate(" third", session_id=sid, max_new_tokens=2, timeout=HANG_S)  # the client adds the metadata
+        assert len(r.token_ids) == 2
+    # each replica holds exactly the sessions the trailers said
+    for rep in mesh.replicas:
+        with Client(rep.target) as direct:
+            assert direct.load().sessions_open == sum(w == rep.name for w in holder.values())
+    for sid in holder:
+        c.close_session(sid)
+    c.close()
+
+
+def test_stateless_calls_go_to_both_replicas(mesh):
+    with Client(mesh.target) as c:
+        seen = set()
+        for _ in range(30):
+            _, call = c.stub.Generate.with_call(request("hi", max_new_tokens=2), timeout=HANG_S)
+            seen.add(replica(call))
+        assert seen == {"r0", "r1"}
+
+
+def _http(mesh, path: str, body: bytes, content_type: str) -> tuple[int, dict, bytes]:
+    host, port = mesh.target.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=HANG_S)  # HTTP/1.1, as a browser or curl
+    try:
+        conn.request("POST", path, body, {"content-type": content_type, "x-grpc-web": "1"})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read()
+    finally:
+        conn.close()
+
+
+def _grpc_web(mesh, method: str, msg, reply_type) -> tuple[list, dict]:
+    """A gRPC-Web call (application/grpc-web+proto): length-prefixed frames, trailers in a frame
+    flagged 0x80."""
+    data = msg.SerializeToString()
+    status, _, raw = _http(mesh, f"/kvgen.v1.Generator/{method}", b"\x00" + struct.pack(">I", len(data)) + data,
+                           "application/grpc-web+proto")
+    assert status == 200
+    replies, trailers, i = [], {}, 0
+    while i < len(raw):
+        flag, n = raw[i], struct.unpack(">I", raw[i + 1:i + 5])[0]
+        frame = raw[i + 5:i + 5 + n]
+        if flag & 0x80:
+            for line in frame.decode().split("\r\n"):
+                if line:
+                    k, _, v = line.partition(":")
+                    trailers[k.strip().lower()] = v.strip()
+        else:
+            replies.append(reply_type.FromString(frame))
+        i += 5 + n
+    return replies, trailers
+
+
+def test_grpc_web_and_json_return_the_same_tokens_as_grpc(mesh):
+    req = request("the quick brown fox", max_new_tokens=12, ignore_eos=True, temperature=0.0)
+    with Client(mesh.target) as c:
+        want = list(c.stub.Generate(req, timeout=HANG_S).token_ids)
+        streamed = [t for m in c.stub.GenerateStream(req, timeout=HANG_S) for t in m.token_ids]
+    assert len(want) == 12 and streamed == want
+
+    replies, trailers = _grpc_web(mesh, "Generate", req, pb.GenerateResponse)
+    assert trailers["grpc-status"] == "0" and trailers["x-kvgen-replica"] in ("r0", "r1")
+    assert list(replies[0].token_ids) == want
+    replies, trailers = _grpc_web(mesh, "GenerateStream", req, pb.GenerateStreamResponse)
+    assert [t for m in replies for t in m.token_ids] == want and len(replies) > 1
+
+    body = json.dumps({"prompt": "the quick brown fox",
+                       "sampling": {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}}).encode()
+    status, headers, raw = _http(mesh, "/kvgen.v1.Generator/Generate", body, "application/json")
+    assert status == 200 and headers["content-type"].startswith("application/json")
+    assert json.loads(raw)["token_ids"] == want
+    status, _, raw = _http(mesh, "/kvgen.v1.Generator/GenerateStream", body, "application/json")
+    assert status == 200 and [t for m in json.loads(raw) for t in m["token_ids"]] == want
+    # an error is an HTTP status with the google.rpc.Status as JSON
+    status, _, raw = _http(mesh, "/kvgen.v1.Generator/Generate", b"{}", "application/json")
+    err = json.loads(raw)
+    assert status == 400 and err["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert err["details"][0]["field_violations"][0]["field"] == "prompt"  # the BadRequest, as JSON
+
+
+def test_abort_through_the_mesh_from_a_second_channel(mesh):
+    """A routing key pins a stateless request to one replica, so an Abort sent with the same key
+    reaches it."""
+    with Client(mesh.target) as c, Client(mesh.target) as other:
+        call = c.stub.GenerateStream(request("go on", request_id="mesh-long", max_new_tokens=1800, ignore_eos=True),
+                                     metadata=_md("pin-1"), timeout=60)
+        assert next(call).token_ids
+        out = other.abort(["mesh-long"], routing_key="pin-1")
+        assert list(out.aborted) == ["mesh-long"]
+        with pytest.raises(grpc.RpcError) as e:
+            list(call)
+        assert e.value.code() == grpc.StatusCode.CANCELLED
+
+
+def _keys_on(c: Client, name: str, n: int) -> list[str]:
+    """n routing keys that the ring sends to replica `name`."""
+    keys, i = [], 0
+    while len(keys) < n:
+        key = f"key-{name}-{i}"
+        _, call = c.stub.Generate.with_call(request("x", max_new_tokens=1), metadata=_md(key), timeout=HANG_S)
+        if replica(call) == name:
+            keys.append(key)
+        i += 1
+    return keys
+
+
+def _traffic(target: str, stop: threading.Event, keys: list[str], outcomes: list) -> None:
+    """Short stateless calls in a loop, half of them pinned by keys: (ok, code, seconds) each."""
+    with Client(target) as c:
+        i = 0
+        while not stop.is_set():
+            md = _md(keys[i % len(keys)]) if keys and i % 2 else ()
+            t0 = time.monotonic()
+            try:
+                c.stub.Generate(request("ping", max_new_tokens=4, ignore_eos=True), metadata=md, timeout=HANG_S)
+                outcomes.append((True, None, time.monotonic() - t0))
+            except grpc.RpcError as e:
+                outcomes.append((False, e.code(), time.monotonic() - t0))
+            i += 1
+
+
+def test_sigterm_drains_a_replica_and_no_call_fails(mesh):
+    """r1 finishes its streams while Envoy stops sending it calls; what it refuses meanwhile is
+    retried on r0."""
+    r1 = mesh.replica("r1")
+    c = Client(mesh.target)
+    keys = _keys_on(c, "r1", 3)
+    got: dict[str, object] = {}
+    started = threading.Barrier(len(keys) + 1, timeout=HANG_S)
+
+    def long_stream(key: str) -> None:
+        try:
+            call = c.stub.GenerateStream(request("a long story", max_new_tokens=1500, ignore_eos=True),
+                                         metadata=_md(key), timeout=60)
+            first = next(call)
+            started.wait()
+            msgs = [first, *call]
+            got[key] = (replica(call), sum(len(m.token_ids) for m in msgs), msgs[-1].finish_reason)
+        except grpc.RpcError as e:
+            got[key] = e.code()
+
+    streams = [threading.Thread(target=long_stream, args=(k,)) for k in keys]
+    for t in streams:
+        t.start()
+    started.wait()  # every stream is running on r1
+    stop, outcomes = threading.Event(), []
+    traffic = threading.Thread(target=_traffic, args=(mesh.target, stop, keys, outcomes))
+    traffic.start()
+    time.sleep(0.3)
+    r1.signal(signal.SIGTERM)
+    time.sleep(3)  # Envoy's health check notices within a second
+    stop.set()
+    traffic.join(HANG_S)
+    for t in streams:
+        t.join(60)
+    assert got == {k: ("r1", 1500, pb.FINISH_REASON_LENGTH) for k in keys}  # finished on the draining replica
+    failed = [o for o in outcomes if not o[0]]
+    assert len(outcomes) > 20 and not failed, failed
+    assert r1.proc.wait(40) == 0
+    c.close()
+    mesh.restart("r1")
+
+
+def test_sigkill_one_replica_mid_traffic(mesh):
+    """Stateless calls keep succeeding (retried on the survivor); the dead replica's sessions get a
+    NOT_FOUND or UNAVAILABLE at once, which the client reads as "open it again"; nothing hangs."""
+    c = Client(mesh.target)
+    holder = {}
+    for i in range(12):
+        sid = f"doomed-{i:02d}"
+        _, call = c.stub.CreateSession.with_call(pb.CreateSessionRequest(session_id=sid), metadata=_md(sid),
+                                                 timeout=HANG_S)
+        holder[sid] = replica(call)
+    assert set(holder.values()) == {"r0", "r1"}
+    stop, outcomes = threading.Event(), []
+    workers = [threading.Thread(target=_traffic, args=(mesh.target, stop, [], outcomes)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    time.sleep(0.5)
+    mesh.replica("r0").signal(signal.SIGKILL)
+    time.sleep(3)
+    stop.set()
+    for w in workers:
+        w.join(HANG_S)
+    failed = [o for o in outcomes if not o[0]]
+    assert len(outcomes) > 20 and not failed, failed
+    assert max(o[2] for o in outcomes) < HANG_S
+
+    for sid, where in holder.items():
+        t0 = time.monotonic()
+        try:
+            _, call = c.stub.Generate.with_call(request("still there?", session_id=sid, max_new_tokens=2),
+                                                metadata=_md(sid), timeout=HANG_S)
+            assert where == "r1" and replica(call) == "r1"  # the survivor's sessions go on
+        except grpc.RpcError as e:
+            assert where == "r0" and session_lost(e), (sid, e.code(), e.details())
+            assert time.monotonic() - t0 < 5
+            assert c.create_session(sid) == sid  # opened again, on the survivor
+            _, call = c.stub.Generate.with_call(request("again", session_id=sid, max_new_tokens=2),
+                                                metadata=_md(sid), timeout=HANG_S)
+            assert replica(call) == "r1"
+    c.close()
