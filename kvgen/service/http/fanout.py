@@ -45,6 +45,7 @@ async def submit(gen: Generator, call: Call, request_id: str, settings: Settings
             params = params_of(call, p)
             if not req.sampling.HasField("max_new_tokens"):  # chat's default: never past the context
                 params.max_new_tokens = max(1, min(params.max_new_tokens, gen.cfg.context_length - len(ids)))
+            await gen.compile(params)  # a new schema compiles off the event loop
             if call.n > 1:
                 await _share_prompt(gen, ids, params, req.cache_salt)
             for i in range(call.n):
