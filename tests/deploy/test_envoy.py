@@ -237,25 +237,27 @@ def test_sigterm_drains_a_replica_and_no_call_fails(mesh):
             got[key] = e.code()
 
     streams = [threading.Thread(target=long_stream, args=(k,)) for k in keys]
-    for t in streams:
-        t.start()
-    started.wait()  # every stream is running on r1
-    stop, outcomes = threading.Event(), []
-    traffic = threading.Thread(target=_traffic, args=(mesh.target, stop, keys, outcomes))
-    traffic.start()
-    time.sleep(0.3)
-    r1.signal(signal.SIGTERM)
-    time.sleep(3)  # Envoy's health check notices within a second
-    stop.set()
-    traffic.join(HANG_S)
-    for t in streams:
-        t.join(60)
-    assert got == {k: ("r1", 1500, pb.FINISH_REASON_LENGTH) for k in keys}  # finished on the draining replica
-    failed = [o for o in outcomes if not o[0]]
-    assert len(outcomes) > 20 and not failed, failed
-    assert r1.proc.wait(40) == 0
-    c.close()
-    mesh.restart("r1")
+    try:
+        for t in streams:
+            t.start()
+        started.wait()  # every stream is running on r1
+        stop, outcomes = threading.Event(), []
+        traffic = threading.Thread(target=_traffic, args=(mesh.target, stop, keys, outcomes))
+        traffic.start()
+        time.sleep(0.3)
+        r1.signal(signal.SIGTERM)
+        time.sleep(3)  # Envoy's health check notices within a second
+        stop.set()
+        traffic.join(HANG_S)
+        for t in streams:
+            t.join(60)
+        assert got == {k: ("r1", 1500, pb.FINISH_REASON_LENGTH) for k in keys}  # finished on the draining replica
+        failed = [o for o in outcomes if not o[0]]
+        assert len(outcomes) >= 5 and not failed, failed  # traffic ran through the drain, and none of it failed
+        assert r1.proc.wait(40) == 0
+    finally:  # the next test gets both replicas whatever happened here
+        c.close()
+        mesh.restart("r1")
 
 
 def test_sigkill_one_replica_mid_traffic(mesh):
