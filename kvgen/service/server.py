@@ -130,6 +130,9 @@ class Server:
         log.info("draining (grace %.1fs)", self.settings.grace_s)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.servicer.draining = True
+        # New calls get UNAVAILABLE (which a proxy retries elsewhere) until its health check has
+        # seen NOT_SERVING; a call that arrives as grpc.stop begins would be CANCELLED instead.
+        await asyncio.sleep(self.settings.drain_delay_s)
         # both APIs drain at once, within the one grace period
         await asyncio.gather(self.grpc.stop(self.settings.grace_s), *([self.http.stop()] if self.http else []))
         if getattr(self, "_reaper", None):
