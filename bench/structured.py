@@ -66,7 +66,7 @@ def streams(gen: Generator, n: int, constrained: int) -> float:
 
 
 def compile_times(gen: Generator) -> dict:
-    g = Grammars(gen.tokenizer.tok.to_str(), gen.cfg.vocab_size, gen.cfg.eos_token_ids)
+    g = Grammars(gen.tokenizer.tok, gen.cfg.vocab_size, gen.cfg.eos_token_ids)
     t = time.perf_counter()
     assert g.tokenizer is not None  # built here, on first use
     out = {"tokenizer_ms": (time.perf_counter() - t) * 1e3}

@@ -102,7 +102,7 @@ class Generator:
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
                              cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting,
                              mask_threads=opts.mask_threads)
-        self.grammars = Grammars(tokenizer.tok.to_str(), cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)
+        self.grammars = Grammars(tokenizer.tok, cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask
         self.bridge = Bridge()

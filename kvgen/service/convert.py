@@ -94,19 +94,21 @@ def check_session_id(session_id: str) -> None:
         raise InvalidRequest(bad)
 
 
+# SamplingParams' `optional` fields: unset keeps the engine's default
+_OPTIONAL = ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "seed", "logprobs", "min_p",
+             "presence_penalty", "frequency_penalty", "min_new_tokens", "prompt_logprobs")
+
+
 def sampling_of(req: pb.GenerateRequest) -> SamplingParams:
     s = req.sampling
     p = SamplingParams()
-    for name in ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "seed", "logprobs"):
+    for name in _OPTIONAL:
         if s.HasField(name):
             setattr(p, name, getattr(s, name))
     if s.stop_token_ids:
         p.stop_token_ids = list(s.stop_token_ids)
     p.stop_strings = list(s.stop_strings)
     p.ignore_eos = s.ignore_eos
-    for name in ("min_p", "presence_penalty", "frequency_penalty", "min_new_tokens", "prompt_logprobs"):
-        if s.HasField(name):
-            setattr(p, name, getattr(s, name))
     p.logit_bias = dict(s.logit_bias)
     kind = s.WhichOneof("constraint")
     if kind == "choice":

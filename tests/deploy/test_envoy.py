@@ -77,14 +77,20 @@ def _md(sid: str) -> tuple[tuple[str, str]]:
     return ((SESSION_HEADER, sid),)
 
 
-def test_every_turn_of_a_session_lands_on_the_replica_that_holds_it(mesh):
-    c = Client(mesh.target)
+def _open_sessions(c: Client, prefix: str, n: int) -> dict[str, str]:
+    """Sessions prefix-00 .. opened through the mesh (routed by their id): session id -> replica."""
     holder = {}
-    for i in range(40):
-        sid = f"sticky-{i:02d}"
+    for i in range(n):
+        sid = f"{prefix}-{i:02d}"
         _, call = c.stub.CreateSession.with_call(pb.CreateSessionRequest(session_id=sid), metadata=_md(sid),
                                                  timeout=HANG_S)
         holder[sid] = replica(call)
+    return holder
+
+
+def test_every_turn_of_a_session_lands_on_the_replica_that_holds_it(mesh):
+    c = Client(mesh.target)
+    holder = _open_sessions(c, "sticky", 40)
     assert set(holder.values()) == {"r0", "r1"}  # the ring spreads sessions over both
     for sid, where in holder.items():
         r, call = c.stub.Generate.with_call(request("hello there", session_id=sid, max_new_tokens=4, ignore_eos=True),
@@ -264,12 +270,7 @@ def test_sigkill_one_replica_mid_traffic(mesh):
     """Stateless calls keep succeeding (retried on the survivor); the dead replica's sessions get a
     NOT_FOUND or UNAVAILABLE at once, which the client reads as "open it again"; nothing hangs."""
     c = Client(mesh.target)
-    holder = {}
-    for i in range(12):
-        sid = f"doomed-{i:02d}"
-        _, call = c.stub.CreateSession.with_call(pb.CreateSessionRequest(session_id=sid), metadata=_md(sid),
-                                                 timeout=HANG_S)
-        holder[sid] = replica(call)
+    holder = _open_sessions(c, "doomed", 12)
     assert set(holder.values()) == {"r0", "r1"}
     stop, outcomes = threading.Event(), []
     workers = [threading.Thread(target=_traffic, args=(mesh.target, stop, [], outcomes)) for _ in range(2)]

@@ -30,7 +30,7 @@ VALID = [
 @pytest.fixture(scope="module")
 def grammars(embedded):
     model, tok = embedded
-    return Grammars(tok.tok.to_str(), model.cfg.vocab_size, model.cfg.eos_token_ids)
+    return Grammars(tok.tok, model.cfg.vocab_size, model.cfg.eos_token_ids)
 
 
 def test_masks_equal_the_grammar_engines_own_along_a_valid_output(grammars, embedded):
@@ -71,7 +71,7 @@ def test_a_repeated_constraint_compiles_once(grammars, embedded):
 
 def test_the_cache_keeps_the_most_recent(embedded):
     model, tok = embedded
-    g = Grammars(tok.tok.to_str(), model.cfg.vocab_size, model.cfg.eos_token_ids, cache_size=2)
+    g = Grammars(tok.tok, model.cfg.vocab_size, model.cfg.eos_token_ids, cache_size=2)
     for word in ("a", "b", "c"):
         g.matcher(Constraint.choice([word]))
     assert not g.cached(Constraint.choice(["a"])) and g.cached(Constraint.choice(["c"]))

@@ -18,21 +18,9 @@ from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import free_port
 from tests.service.test_serve import ROOT, wait_serving
-from tests.tiny import tiny_bpe_tokenizer, tiny_config, tiny_weights, write_gguf
 
 # A dead server's socket is reset at once on loopback; give slow CI room, never a hang's worth.
 UNAVAILABLE_WITHIN_S = 5
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """A 2-layer random Llama with a 300-token BPE, as a GGUF file the server loads from MODEL."""
-    tok = tiny_bpe_tokenizer(300)
-    cfg = tiny_config(vocab=tok.get_vocab_size(), layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, context=2048)
-    cfg.bos_token_id, cfg.eos_token_ids = None, [2]
-    path = tmp_path_factory.mktemp("chaos") / "tiny.gguf"
-    write_gguf(path, cfg, tiny_weights(cfg, seed=5), tok)
-    return str(path)
 
 
 def launch(model: str, port: int) -> subprocess.Popen:
