@@ -17,7 +17,8 @@ from kvgen.v1 import generate_pb2 as pb
 from .wire import bad_request
 
 SCHEMA = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "confidence": {
-    "type": "integer", "minimum": 0, "maximum": 100}}, "required": ["answer", "confidence"]}
+    "type": "integer", "minimum": 0, "maximum": 100}}, "required": ["answer", "confidence"],
+          "additionalProperties": False}
 ASK = [{"role": "user", "content": "Is the sky blue? Answer in JSON."}]
 STOP = pb.FINISH_REASON_STOP_TOKEN
 
@@ -47,8 +48,9 @@ def test_a_session_turn_takes_a_constraint(stub):
         first = stub.Generate(request([{"role": "user", "content": "Name a color."}], session_id=sid,
                                       choice=pb.ChoiceList(choices=["red", "green"])))
         second = stub.Generate(request([{"role": "user", "content": "Now as JSON."}], session_id=sid,
-                                       max_new_tokens=60, json_schema=json.dumps(SCHEMA)))
+                                       temperature=0.8, seed=5, max_new_tokens=60, json_schema=json.dumps(SCHEMA)))
         assert first.text in ("red", "green")
+        assert second.finish_reason == STOP
         jsonschema.validate(json.loads(second.text), SCHEMA)
     finally:
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
