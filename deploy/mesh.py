@@ -173,8 +173,8 @@ class Mesh:
 
     def __init__(self, n: int = 2, model: str = "", workdir: Path | None = None, envoy_port: int = 0, **env):
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvgen-mesh-"))
-        # a replica told to stop answers NOT_SERVING for 2 s (Envoy checks every second) before it
-        # refuses calls: none arrives as it stops
+        # a replica told to stop answers NOT_SERVING, still serving, for 2 s (Envoy checks every
+        # second) before it stops taking calls: none is refused or cut as it stops
         env = {"DRAIN_DELAY_S": "2", **env}
         self.replicas = [Replica(f"r{i}", model, self.workdir, **env) for i in range(n)]
         self.envoy = Envoy([r.target for r in self.replicas], self.workdir, envoy_port)

@@ -22,8 +22,8 @@ class Settings:
     model: str = setting("", "a GGUF file or a Hugging Face folder (empty: the embedded model)",
                          shown="embedded SmolLM2")
     grace_s: float = setting(10.0, "how long in-flight streams may finish on SIGTERM")
-    drain_delay_s: float = setting(0.0, "on SIGTERM, how long to answer NOT_SERVING (and UNAVAILABLE to new calls) "
-                                   "before the server stops taking calls, so a proxy's health check moves traffic "
+    drain_delay_s: float = setting(0.0, "on SIGTERM, how long to answer NOT_SERVING while still serving calls "
+                                   "before the server stops taking them, so a proxy's health check moves traffic "
                                    "away first")
     api_key: str = setting("", "when set, calls need `authorization: Bearer <key>` metadata; several keys, "
                                "comma-separated, give tenants their own", shown="(none)")

@@ -129,10 +129,11 @@ class Server:
         """NOT_SERVING, refuse new calls, let in-flight ones finish within the grace period."""
         log.info("draining (grace %.1fs)", self.settings.grace_s)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.servicer.draining = True
-        # New calls get UNAVAILABLE (which a proxy retries elsewhere) until its health check has
-        # seen NOT_SERVING; a call that arrives as grpc.stop begins would be CANCELLED instead.
+        # Calls are still served until the proxy's health check has seen NOT_SERVING and sends
+        # nothing more: refused meanwhile, a call routed by a session's hash would be retried on
+        # this same replica; arriving as grpc.stop begins, it would be CANCELLED.
         await asyncio.sleep(self.settings.drain_delay_s)
+        self.servicer.draining = True
         # both APIs drain at once, within the one grace period
         await asyncio.gather(self.grpc.stop(self.settings.grace_s), *([self.http.stop()] if self.http else []))
         if getattr(self, "_reaper", None):
