@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured clean
+.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
@@ -102,6 +102,11 @@ bench: $(STAMP) $(STUBS)
 	bash bench/setup_llamacpp.sh
 	$(PY) bench/cpu.py
 	$(PY) bench/structured.py
+	$(PY) bench/speculative.py
+
+bench-speculative: $(STAMP) $(STUBS)
+	bash bench/setup_llamacpp.sh
+	$(PY) bench/speculative.py
 
 # constrained vs unconstrained decode, schema compile times, llama.cpp's grammar sampling
 bench-structured: $(STAMP) $(STUBS)
@@ -113,6 +118,7 @@ bench-kv: $(STAMP) $(STUBS)
 
 bench-gpu: $(STAMP) $(STUBS)
 	$(PY) bench/gpu.py
+	$(PY) bench/gpu_engine.py
 
 # The engine at BASE (a git revision; default HEAD) against the working tree, alternating rounds.
 BASE ?= HEAD

@@ -4,6 +4,14 @@
     kvgen --chat "What is the capital of France?" --temperature 0
     kvgen --info
     kvgen --info --target host:443 --ca-file ca.pem --cert-file me.pem --key-file me.key
+    KVGEN_TARGET=host:50051 KVGEN_API_KEY=... kvgen "Hi" --json | jq -r .text
+
+--target defaults to $KVGEN_TARGET (else localhost:$PORT, else localhost:50051), --api-key to
+$KVGEN_API_KEY (else $API_KEY). --json prints one JSON object per line: each stream message (the
+proto's JSON, as grpcurl prints it: the last carries finishReason, usage and timings), the model
+info with --info, or {"error": {"code", "message", "fieldViolations"?, "retryDelay"?}} when the
+call fails (exit status 1). UNAVAILABLE before the first token is retried (--retries tries in
+all); --timeout bounds the whole call.
 """
 
 from __future__ import annotations
@@ -13,9 +21,7 @@ import json
 import os
 import sys
 
-import grpc
-
-from kvgen.client import Client
+from kvgen.client import Client, KvgenError, Retry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--presence-penalty", type=float)
     ap.add_argument("--frequency-penalty", type=float)
     ap.add_argument("--min-new-tokens", type=int, help="no stop token before this many tokens")
+    ap.add_argument("--speculative", action=argparse.BooleanOptionalAction, default=None,
+                    help="speculative decoding on / off for this request (default: the server's SPECULATIVE)")
     ap.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
                     help="add BIAS to token ID's logit (repeatable)")
     ap.add_argument("--prompt-logprobs", type=int, metavar="K",
@@ -54,15 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ca-file", help="PEM CA that signed the server's certificate (implies --tls)")
     ap.add_argument("--cert-file", help="PEM client certificate, for a server that requires one (with --key-file)")
     ap.add_argument("--key-file", help="PEM private key of --cert-file")
+    ap.add_argument("--timeout", type=float, help="deadline of the call in seconds (default: none)")
+    ap.add_argument("--retries", type=int, default=4, metavar="N",
+                    help="tries in all when the server is unavailable before the first token (default 4)")
     args = ap.parse_args(argv)
     if bool(args.cert_file) != bool(args.key_file):
         ap.error("--cert-file and --key-file go together")
+    if args.retries < 1:
+        ap.error("--retries is at least 1")
     client = Client(args.target, args.api_key, tls=args.tls, ca_file=args.ca_file, cert_file=args.cert_file,
-                    key_file=args.key_file)
+                    key_file=args.key_file, timeout=args.timeout, retry=Retry(attempts=args.retries))
     try:
         if args.info:
             info = client.model_info()
-            print(_json(info) if args.json else info)
+            print(_json(info.raw) if args.json else info.raw)
             return 0
         if args.prompt is None:
             ap.error("a prompt is required")
@@ -75,13 +88,14 @@ def main(argv: list[str] | None = None) -> int:
             "top_p": args.top_p, "repetition_penalty": args.repetition_penalty, "seed": args.seed,
             "min_p": args.min_p, "presence_penalty": args.presence_penalty,
             "frequency_penalty": args.frequency_penalty, "min_new_tokens": args.min_new_tokens,
+            "speculative": args.speculative,
             "prompt_logprobs": args.prompt_logprobs, **_constraint(args), **_logit_bias(ap, args.logit_bias),
         }.items() if v is not None}
         first = last = None
         for msg in client.stream(prompt, stop_strings=args.stop, **sampling):
             first = first or msg
             if args.json:  # every message whole, the last one with finish_reason, usage and timings
-                print(_json(msg), flush=True)
+                print(_json(msg.raw), flush=True)
                 continue
             sys.stdout.write(msg.text)
             sys.stdout.flush()
@@ -93,15 +107,21 @@ def main(argv: list[str] | None = None) -> int:
             for p in first.prompt_logprobs:
                 alts = ", ".join(f"{t.token!r} {t.logprob:.3f}" for t in p.top)
                 print(f"prompt {p.token!r} {p.logprob:.3f}" + (f" [{alts}]" if alts else ""), file=sys.stderr)
-        if last is not None:
+        if last is not None and last.usage is not None:
             u = last.usage
-            print(f"[{last.finish_reason and _reason(last.finish_reason)}; prompt {u.prompt_tokens}, "
+            print(f"[FINISH_REASON_{last.finish_reason.name}; prompt {u.prompt_tokens}, "
                   f"completion {u.completion_tokens}, cached {u.cached_tokens} tokens; "
                   f"ttft {last.timings.time_to_first_token_ms:.0f} ms, total {last.timings.total_ms:.0f} ms]",
                   file=sys.stderr)
         return 0
-    except grpc.RpcError as e:
+    except KvgenError as e:
+        if args.json:
+            print(json.dumps({"error": _error(e)}, separators=(",", ":")), flush=True)
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        for v in e.field_violations:
+            print(f"  {v.field}: {v.description}", file=sys.stderr)
+        if e.retry_delay is not None:
+            print(f"  retry after {e.retry_delay:g} s", file=sys.stderr)
         return 1
     finally:
         client.close()
@@ -145,10 +165,13 @@ def _json(msg) -> str:
     return json.dumps(json_format.MessageToDict(msg), separators=(",", ":"))
 
 
-def _reason(value: int) -> str:
-    from kvgen.v1 import generate_pb2 as pb
-
-    return pb.FinishReason.Name(value)
+def _error(e: KvgenError) -> dict:
+    out = {"code": e.code().name, "message": e.details()}
+    if e.field_violations:
+        out["fieldViolations"] = [{"field": v.field, "description": v.description} for v in e.field_violations]
+    if e.retry_delay is not None:
+        out["retryDelay"] = e.retry_delay
+    return out
 
 
 if __name__ == "__main__":

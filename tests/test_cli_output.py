@@ -1,13 +1,17 @@
-"""The `kvgen` CLI for scripts: --json prints each message as one JSON object per line, and
-KVGEN_API_KEY gives --api-key its default."""
+"""The `kvgen` CLI for scripts: --json prints each message (or the error) as one JSON object per
+line, KVGEN_TARGET and KVGEN_API_KEY give --target and --api-key their defaults, and UNAVAILABLE
+before the first token is retried."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from kvgen import cli
 from kvgen.engine.generator import EngineOptions, Generator
-from tests.conftest import ServerThread
+from tests.client.conftest import FlakyServer
+from tests.conftest import ServerThread, free_port
 
 
 def test_json_lines(capsys, server):
@@ -34,3 +38,30 @@ def test_api_key_from_kvgen_api_key(capsys, monkeypatch, embedded):
         assert cli.main(["--info"]) == 1 and "UNAUTHENTICATED" in capsys.readouterr().err
     finally:
         srv.stop()
+
+
+def test_json_errors_timeout_and_retries(capsys, server):
+    code = cli.main(["hi", "--grammar", "start: nowhere", "--json", "--target", server.target])
+    out, err = capsys.readouterr()
+    assert code == 1 and "sampling.grammar" in err  # the BadRequest's field, for people too
+    error = json.loads(out)["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and error["fieldViolations"][0]["field"] == "sampling.grammar"
+    code = cli.main(["Once upon a time", "--max-new-tokens", "500", "--timeout", "0.05", "--json",
+                     "--target", server.target])
+    assert code == 1 and json.loads(capsys.readouterr().out.splitlines()[-1])["error"]["code"] == "DEADLINE_EXCEEDED"
+    with pytest.raises(SystemExit):
+        cli.main(["hi", "--retries", "0", "--target", server.target])
+
+
+def test_unavailable_before_the_first_token_is_retried(capsys):
+    flaky = FlakyServer(free_port()).start()  # refuses its first call with UNAVAILABLE
+    try:
+        flaky.script.fail = 1
+        assert cli.main(["hi", "--json", "--target", flaky.target]) == 0
+        assert len(flaky.script.seen) == 2 and json.loads(capsys.readouterr().out.splitlines()[0])["text"] == "t0"
+        flaky.script.seen.clear()
+        flaky.script.fail = 1
+        assert cli.main(["hi", "--json", "--retries", "1", "--target", flaky.target]) == 1
+        assert json.loads(capsys.readouterr().out)["error"]["code"] == "UNAVAILABLE"
+    finally:
+        flaky.stop()

@@ -22,6 +22,7 @@ from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import sample, token_logprobs
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import FinishReason, Sequence
+from kvgen.engine.speculative import accept, draft_cap
 from kvgen.errors import Overloaded
 
 log = logging.getLogger("kvgen.engine")
@@ -29,7 +30,8 @@ log = logging.getLogger("kvgen.engine")
 
 class Engine:
     def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler, window: int = 0, chunk: int = 0,
-                 cuda_graphs: bool = True, max_waiting: int = 256, mask_threads: int = 1):
+                 cuda_graphs: bool = True, max_waiting: int = 256, mask_threads: int = 1,
+                 drafter=None, speculate: bool = False, draft_tokens: int = 5, draft_max_batch: int = 8):
         self.model = model
         self.device = model.device  # where the model, the pool and a step's tensors live
         self.window = window  # sliding-window attention: blocks behind the window are freed
@@ -54,6 +56,14 @@ class Engine:
                                   max_rows=scheduler.max_running,
                                   width=min(pool.capacity, -(-model.cfg.context_length // pool.block_size)))
         self.masks = Masks(model.cfg.vocab_size, threads=mask_threads)
+        # Speculative decoding (kvgen/engine/speculative): a drafter (PromptLookup or DraftModel;
+        # None: off for everyone), whether requests that do not say speculate, the longest draft,
+        # and the running-batch size above which nobody drafts.
+        self.drafter = drafter
+        self.speculate = speculate
+        self.draft_tokens = draft_tokens
+        self.draft_max_batch = draft_max_batch
+        self.drafted_tokens = self.accepted_tokens = 0  # totals, for benchmarks and GetModelInfo-style reports
 
     # called from any thread
 
@@ -155,7 +165,11 @@ class Engine:
         self._take_inbox()
         if self.idle:
             return
+        if self.drafter is not None:
+            self._propose()
         batch = self.scheduler.schedule()
+        if self.drafter is not None:
+            self._fit_drafts(batch)
         if not batch:
             time.sleep(0.001)  # blocked on KV room; finished sequences will make some
             return
@@ -165,7 +179,8 @@ class Engine:
                 seq.admitted_at = t0
         # The rows sampled after this step are those whose pending tokens it covers; their
         # constraints' masks are computed while the forward pass runs.
-        ready = [i for i, (seq, n) in enumerate(batch) if seq.pending == n]
+        ready = [i for i, (seq, n) in enumerate(batch) if seq.pending == n and not seq.draft]
+        drafted = [i for i, (seq, _) in enumerate(batch) if seq.draft]
         masked = [j for j, i in enumerate(ready) if batch[i][0].matcher is not None]
         masks = self.masks.start([batch[ready[j]][0].matcher for j in masked]) if masked else None
         try:
@@ -176,6 +191,7 @@ class Engine:
             start = seq.cache.length
             seq.prompt_logprobs += token_logprobs(chunk, seq.prompt_ids[start + 1:start + 1 + len(chunk)],
                                                   seq.params.prompt_logprobs)
+        starts = [seq.cache.length for seq, _ in batch]
         for seq, n in batch:
             self.scheduler.kv.advance(seq.cache, n, self._oldest_needed(seq.cache.length + n))
         self.steps += 1
@@ -188,13 +204,73 @@ class Engine:
                             outputs=[s.output_ids for s in seqs], stops=[s.stop_ids for s in seqs],
                             bitmask=bitmask, masked=masked)
             for seq, s in zip(seqs, picked, strict=True):
-                if seq.cancelled or seq.finished:
-                    continue
-                seq.on_token(s)
-                if not seq.finished and seq.num_tokens >= self.model.cfg.context_length:
-                    seq.finish(FinishReason.LENGTH)
-                if seq.finished:
-                    self._release(seq)
+                self._emit(seq, [s])
+        for i in drafted:
+            seq = batch[i][0]
+            self._verify(seq, starts[i], torch.cat([self.runner.draft_logits[seq], logits[i:i + 1]]))
+
+    def _emit(self, seq: Sequence, sampled: list) -> None:
+        """Hand seq its new tokens in order, until one of them finishes it."""
+        for s in sampled:
+            if seq.cancelled or seq.finished:
+                return
+            seq.on_token(s)
+            if not seq.finished and seq.num_tokens >= self.model.cfg.context_length:
+                seq.finish(FinishReason.LENGTH)
+            if seq.finished:
+                self._release(seq)
+
+    # speculative decoding
+
+    def _speculates(self, seq: Sequence) -> bool:
+        wanted = seq.params.speculative if seq.params.speculative is not None else self.speculate
+        # Constrained rows are not drafted: their masks follow the matcher one token at a time.
+        return wanted and seq.matcher is None and not seq.draft_length.off
+
+    def _propose(self) -> None:
+        """Drafts for the running sequences that decode this step, before it is scheduled: the
+        scheduler then counts each draft in the token budget like a prefill chunk."""
+        running = self.scheduler.running
+        cap = draft_cap(len(running), self.draft_tokens, self.draft_max_batch)
+        if not cap:
+            return
+        room = self.model.cfg.context_length
+        wanted = []
+        for seq in running:
+            if seq.pending != 1 or seq.finished or not self._speculates(seq):
+                continue
+            # k drafts yield up to k + 1 tokens: never more than the request may still take
+            left = min(seq.params.max_new_tokens - len(seq.output_ids), room - seq.num_tokens) - 1
+            k = min(cap, seq.draft_length.k, left)
+            if k > 0:
+                wanted.append((seq, k))
+        for seq, (tokens, q) in self.drafter.propose(wanted).items():
+            seq.draft, seq.draft_q = tokens, q
+
+    def _fit_drafts(self, batch) -> None:
+        """Drafts the step has no room for are cut (the budget ran out, or it was preempted)."""
+        scheduled = {seq: n for seq, n in batch}
+        for seq in self.scheduler.running:
+            if seq.draft:
+                n = scheduled.get(seq, 0)
+                seq.cut_draft(max(0, n - (seq.num_tokens - seq.cache.length)))
+
+    def _verify(self, seq: Sequence, start: int, raw: torch.Tensor) -> None:
+        """Keep what the target agrees with of seq's draft (written at start + 1 ...), give the
+        rest of its KV back, and emit the accepted tokens plus the target's next one."""
+        draft, q = seq.draft, seq.draft_q
+        seq.cut_draft(0)
+        if seq.cancelled or seq.finished:
+            return
+        p = seq.params
+        out = accept(raw, draft, q, p, seq.rng, seq.tokens if p.repetition_penalty != 1.0 else [],
+                     seq.output_ids, seq.stop_ids)
+        kept = len(out) - 1
+        self.scheduler.kv.truncate(seq.cache, start + 1 + kept)
+        seq.record_draft(len(draft), kept)
+        self.drafted_tokens += len(draft)
+        self.accepted_tokens += kept
+        self._emit(seq, out)
 
     def _oldest_needed(self, next_pos: int) -> int:
         """The oldest position a query at next_pos or later can still attend to (0: all)."""
@@ -210,6 +286,8 @@ class Engine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        if self.drafter is not None:
+            self.drafter.forget(seq)
         self.scheduler.finish(seq)  # blocks back to the pool, or a session's parked
         if self.on_release:
             self.on_release(seq)

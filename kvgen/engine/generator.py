@@ -28,13 +28,13 @@ from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.model import Model
-from kvgen.engine.model_runner import kernels_serve
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.request import Prompt, Request
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Event, Sequence
 from kvgen.engine.session import Session
+from kvgen.engine.speculative import MODES, DraftModel, PromptLookup
 from kvgen.engine.threads import in_fresh_thread
 from kvgen.engine.tokenizer import TextTokenizer
 from kvgen.errors import InvalidRequest, Overloaded
@@ -57,14 +57,13 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:
     cfg = model.cfg
-    # Quantized formats keep each running sequence's newest block exact (kv/stage.py); the GPU
-    # kernels of a format read only its quantized store, so where they run it is off.
-    # One slot per running sequence, within a quarter of the KV budget.
+    # Quantized formats keep each running sequence's newest block exact (kv/stage.py), on the
+    # torch path and the GPU kernels alike. One slot per running sequence, within a quarter of
+    # the KV budget.
     quantized = opts.kv_dtype in ("fp8", "q4", "q3")
-    kernels = kernels_serve(model.device, opts.kv_dtype, cfg.head_dim, _window(opts, cfg), opts.attention_chunk)
     args = (opts.kv_dtype, cfg.num_layers, opts.block_size, cfg.num_kv_heads, cfg.head_dim)
     slots = None
-    if quantized and not kernels:
+    if quantized:
         slot_bytes = make_format(*args, compute_dtype=model.act_dtype, recent_slots=1).stage_bytes()
         slots = min(opts.max_running, int(opts.kv_cache_mb * 2**20 / 4) // slot_bytes)
     fmt = make_format(*args, compute_dtype=model.act_dtype, recent_slots=slots)
@@ -75,6 +74,22 @@ def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> B
     return BlockPool.from_budget(fmt, opts.kv_cache_mb, model.device)
 
 
+def _make_drafter(model: Model, opts: EngineOptions, model_path: str, draft: Model | None):
+    """Prompt lookup costs nothing until a request drafts, so it is there even with speculation
+    off (a request may ask for it); a draft model is loaded only when SPECULATIVE=draft."""
+    if opts.speculative not in MODES:
+        raise ValueError(f"SPECULATIVE={opts.speculative!r}: expected one of {', '.join(MODES)}")
+    if opts.speculative != "draft":
+        return PromptLookup()
+    if draft is None:
+        draft = _load_model(opts.draft_model or model_path or loader.embedded_model_path(),
+                            opts.draft_weight_dtype, str(model.device))[0]
+    if draft.cfg.vocab_size != model.cfg.vocab_size:
+        raise ValueError(f"DRAFT_MODEL has {draft.cfg.vocab_size} tokens; the served model {model.cfg.vocab_size}: "
+                         "a draft must share the target's vocabulary")
+    return DraftModel(draft, opts.draft_kv_mb, opts.block_size, opts.max_running)
+
+
 def _window(opts: EngineOptions, cfg) -> int:
     """Sliding-window attention: the setting, else the model's own (0: none)."""
     return opts.attention_window or cfg.sliding_window or 0
@@ -82,7 +97,9 @@ def _window(opts: EngineOptions, cfg) -> int:
 
 class Generator:
     def __init__(self, model: Model, tokenizer: TextTokenizer, options: EngineOptions | None = None,
-                 model_path: str = ""):
+                 model_path: str = "", draft_model: Model | None = None):
+        """draft_model: the drafting model for speculative="draft" (default: DRAFT_MODEL loaded
+        at DRAFT_WEIGHT_DTYPE)."""
         opts = options or EngineOptions()
         self.options = opts
         self.model_path = model_path
@@ -101,7 +118,10 @@ class Generator:
         self.scheduler = Scheduler(kv, opts.token_budget, opts.max_running)
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
                              cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting,
-                             mask_threads=opts.mask_threads)
+                             mask_threads=opts.mask_threads,
+                             drafter=_make_drafter(model, opts, model_path, draft_model),
+                             speculate=opts.speculative != "off", draft_tokens=opts.speculative_tokens,
+                             draft_max_batch=opts.speculative_max_batch)
         self.grammars = Grammars(tokenizer.tok, cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask

@@ -101,10 +101,11 @@ class KVRecord:
         for name in ("kv.append", "kv.quantize") if self.info.quantized else ("kv.append",):
             self.op(name, t1, tokens=tokens, start=start, bytes=nbytes)
 
-    def step(self, t0: float, t1: float, start: int, tokens: int) -> None:
-        """This sequence's share of one engine step: `tokens` K/V written from `start`. A prefill
-        chunk's append is its own op; decode steps' appends coalesce."""
-        if tokens > 1 or start < self.prompt_len:
+    def step(self, t0: float, t1: float, start: int, tokens: int, drafted: bool = False) -> None:
+        """This sequence's share of one engine step: `tokens` K/V written from `start` (drafted:
+        a decode step that also checked a speculative draft). A prefill chunk's append is its
+        own op; decode steps' appends coalesce."""
+        if (tokens > 1 and not drafted) or start < self.prompt_len:
             self.chunks.append(Chunk(t0, t1, start, tokens, self.preemptions > 0))
             self.flush()
             self._append = [t1, t1, start, tokens]
@@ -165,4 +166,4 @@ class KVRecorder:
         for seq, n in batch:
             record = self._records.get(id(seq.cache))
             if record is not None:
-                record.step(t1 - seconds, t1, seq.cache.length - n, n)
+                record.step(t1 - seconds, t1, seq.cache.length - n, n, bool(seq.draft))

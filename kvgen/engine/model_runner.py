@@ -6,7 +6,11 @@ The backend is picked once, here, by asking kvgen.gpu (the engine's one import o
 its kernels serve the KV format / head_dim / window / chunk. Where they do (CUDA), decode-only
 steps run Model.forward with KernelAttention over a KernelStep, replayed from a CUDA graph per
 batch-size bucket (kvgen.gpu.graphs); every other step (prefill, mixed, the CPU) runs it with
-TorchAttention over a Step.
+TorchAttention over a Step. A format that keeps an exact tail (kv/stage.py ExactTail: each
+sequence's newest block and first token unquantized) runs on the kernels too: before each kernel
+step the runner hands it the rows' blocks, offsets and positions (host-known), it takes and gives
+back slots and flushes full blocks there (ExactTail.prepare_decode), and inside the step the
+kernels read its slot maps on the device.
 
 A kernel decode step is staged on the host in one int32 buffer, one row per sequence and one
 copy to the device per step (fill_rows):
@@ -45,20 +49,14 @@ Batch = Sequence[tuple]  # (sequence, new tokens this step): the scheduler's bat
 Row = tuple[int, int, Sequence[int]]  # (new token, tokens already cached, block ids)
 
 
-def kernels_serve(device: torch.device, format_name: str, head_dim: int, window: int = 0, chunk: int = 0) -> bool:
-    """Whether decode steps on `device` over this KV format go through the GPU kernels (what
-    the pool's setup needs to know too: the kernels do not read a stage of exact blocks)."""
-    return device.type == "cuda" and gpu.supports(format_name, head_dim, window, chunk)
-
-
 def pick_kernel_attention(device: torch.device, fmt, head_dim: int, window: int = 0, chunk: int = 0,
                           kernels=None) -> KernelAttention | None:
     """KernelAttention where the GPU kernels serve this cache, else None (torch attention).
     kernels: stand-ins for kvgen.gpu.ops that run on the CPU (tests); default the real ones,
-    on CUDA only."""
+    on CUDA only. A format keeping an exact tail (stage.ExactTail) is served as it is: the
+    kernels read its slot maps, which the runner prepares on the host before each step."""
     on_device = device.type == "cuda" or kernels is not None  # stand-ins run wherever their tensors are
-    # the kernels read only the quantized store, not the stage that keeps recent blocks exact
-    if not on_device or fmt.recent_slots or not gpu.supports(fmt.name, head_dim, window, chunk):
+    if not on_device or not gpu.supports(fmt.name, head_dim, window, chunk):
         return None
     return KernelAttention(kernels or gpu_ops)
 
@@ -110,14 +108,17 @@ class ModelRunner:
         self._staging = torch.empty((0, 2 + self.width), dtype=torch.int32)
         self.seq_lens: torch.Tensor | None = None  # the last kernel step's lengths, advanced on the device
         self.prompt_logits: dict = {}  # the last step's, see run()
+        self.draft_logits: dict = {}  # the last step's, see run()
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each
         sequence's last new token; writes the new tokens' K/V into the store. Sequences that
         asked for prompt logprobs also get the logits of their prompt positions in this step,
-        in self.prompt_logits (seq -> [m, vocab], predicting prompt tokens start+1 .. start+m)."""
-        self.prompt_logits = {}
-        wanted = [(seq, n, _prompt_rows(seq, n)) for seq, n in batch]
+        in self.prompt_logits (seq -> [m, vocab], predicting prompt tokens start+1 .. start+m);
+        sequences with a draft (speculative decoding: the step feeds their last token and the
+        drafted ones) get the logits of every position but the last in self.draft_logits."""
+        self.prompt_logits, self.draft_logits = {}, {}
+        wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
         if self.kernel_attention is not None and all(n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)
         else:
@@ -126,7 +127,7 @@ class ModelRunner:
         at = len(batch)
         for seq, _, m in wanted:
             if m:
-                self.prompt_logits[seq] = logits[at:at + m]
+                (self.draft_logits if seq.draft else self.prompt_logits)[seq] = logits[at:at + m]
                 at += m
         return logits[:len(batch)]
 
@@ -138,7 +139,7 @@ class ModelRunner:
         row = -1
         for seq, n, m in wanted:
             start = seq.cache.length
-            ids.extend(seq.tokens[start:start + n])
+            ids.extend((seq.tokens + seq.draft)[start:start + n] if seq.draft else seq.tokens[start:start + n])
             positions.append(torch.arange(start, start + n))
             b, o = seq.cache.slots(start, n)
             blocks.append(b)
@@ -186,6 +187,10 @@ class ModelRunner:
         # inference mode on every call: the graph runner's static copies are made inside it, and
         # inference tensors may only be updated in place under it
         with torch.inference_mode():
+            if self.fmt.recent_slots:  # the exact tail's slots, on the host, before the graph reads them
+                bs = self.fmt.block_size
+                self.fmt.prepare_decode(self.store, [blocks[pos // bs] for _, pos, blocks in rows],
+                                        [pos % bs for _, pos, _ in rows], [pos for _, pos, _ in rows])
             logits = self.graphs(inputs)
         self.seq_lens = inputs["seq_lens"][:n]
         return logits[:n]
@@ -198,9 +203,13 @@ class ModelRunner:
         return logits
 
 
-def _prompt_rows(seq, n: int) -> int:
-    """How many of this step's n positions of seq predict a prompt token whose logprob is still
-    owed (0 unless seq asked for prompt logprobs; after a preemption they are owed no more)."""
+def _extra_rows(seq, n: int) -> int:
+    """How many of this step's n positions of seq need logits besides the last: a draft's
+    (every position verifies the next drafted token), or those that predict a prompt token whose
+    logprob is still owed (0 unless seq asked for prompt logprobs; after a preemption they are
+    owed no more)."""
+    if seq.draft:
+        return n - 1
     if seq.prompt_logprobs is None:
         return 0
     start = seq.cache.length

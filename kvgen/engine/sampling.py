@@ -39,6 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     min_new_tokens: int = 0  # stop tokens are banned until this many were generated
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and top k
+    speculative: bool | None = None  # draft and verify (None: the server's SPECULATIVE decides)
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) for every invalid value. Limits on sizes keep one request's stop

@@ -100,6 +100,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.cut_draft(0)  # recomputed from its tokens; it may draft again once decoding
         if seq.keep_kv:
             self.kv.preempt(seq.cache)
         else:

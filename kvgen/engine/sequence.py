@@ -11,6 +11,7 @@ import torch
 
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.sampling import Sampled, SamplingParams
+from kvgen.engine.speculative.policy import DraftLength
 from kvgen.engine.tokenizer import Detokenizer, TextTokenizer
 
 
@@ -109,6 +110,13 @@ class Sequence:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.finish_reason: FinishReason | None = None
+        # speculative decoding: this step's drafted tokens (fed after the last token, not yet
+        # part of the output), their draft distributions [k, V] (None: greedy or prompt lookup),
+        # this sequence's adaptive draft length, and what its verifications kept
+        self.draft: list[int] = []
+        self.draft_q: torch.Tensor | None = None
+        self.draft_length = DraftLength()
+        self.drafted = self.accepted = self.verifications = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -125,8 +133,20 @@ class Sequence:
 
     @property
     def pending(self) -> int:
-        """Tokens whose K/V still need computing."""
-        return self.num_tokens - self.cache.length
+        """Tokens whose K/V still need computing (a draft's included)."""
+        return self.num_tokens + len(self.draft) - self.cache.length
+
+    def cut_draft(self, keep: int) -> None:
+        """Keep only the first `keep` drafted tokens (0: no draft)."""
+        if keep < len(self.draft):
+            self.draft = self.draft[:keep]
+            self.draft_q = self.draft_q[:keep] if self.draft_q is not None and keep else None
+
+    def record_draft(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+        self.verifications += 1
+        self.draft_length.record(drafted, accepted)
 
     def on_token(self, s: Sampled) -> None:
         """Record a sampled token, emit its text, and finish if a stop condition holds."""

@@ -22,6 +22,8 @@ tokens already cached for row b (-1 for padding rows):
         kv_append(fmt, store, layer, k, v, block_tables, seq_lens)        # writes at seq_lens[b]
         out = flash_decode(q, fmt, store, layer, block_tables, seq_lens, len_offset=1)
     increment(seq_lens)                                                    # once, after the last layer
+With an ExactTail format (fp8 / q4 with recent_slots, kvgen/engine/kv/stage.py) the step starts
+with fmt.prepare_decode(...) on the host; the kernels then read its exact rows and slot maps.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ CTAS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 128
 
 _DTYPE_NAME = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+_DTYPE_ID = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # common.cuh KVG_F32 / F16 / BF16
 
 
 # ---- plumbing -------------------------------------------------------------------------------
@@ -136,6 +139,24 @@ def _cache_tensors(name: str, store: dict[str, torch.Tensor], head_dim: int):
     return cache, scale, key_scale, group
 
 
+def _exact_tail(fmt, store: dict[str, torch.Tensor], cache: torch.Tensor, hd: int) -> tuple:
+    """Kernel arguments (exact rows, recent slot map, sink, first-token slot map, dtype id) of
+    a format that keeps each sequence's newest block and first token exact (ExactTail,
+    kvgen/engine/kv/stage.py), or stand-ins and -1 (no exact tail) for any other format."""
+    if not getattr(fmt, "recent_slots", 0):
+        return _cp(cache), _cp(cache), _cp(cache), _cp(cache), np.int32(-1)
+    rows, recent_of, sink, first_of = fmt.exact_tensors(store)
+    nb, n_layers, _, bs, kvh = cache.shape[:5]
+    ok = (rows.shape[1:] == (n_layers, 2, bs, kvh, hd) and sink.shape[1:] == (n_layers, 2, kvh, hd)
+          and rows.dtype == sink.dtype and rows.dtype in _DTYPE_ID
+          and all(t.shape == (nb,) and t.dtype == torch.int64 for t in (recent_of, first_of))
+          and all(t.is_contiguous() for t in (rows, recent_of, sink, first_of)))
+    if not ok:
+        raise ValueError(f"exact tail {tuple(rows.shape)} {rows.dtype}, sink {tuple(sink.shape)}, slot maps "
+                         f"{tuple(recent_of.shape)} {recent_of.dtype} do not fit the store {tuple(cache.shape)}")
+    return _cp(rows), _cp(recent_of), _cp(sink), _cp(first_of), np.int32(_DTYPE_ID[rows.dtype])
+
+
 def _check_int32(name: str, t: torch.Tensor, ndim: int, batch: int) -> None:
     if t.dtype != torch.int32 or t.dim() != ndim or t.shape[0] != batch or not t.is_contiguous():
         raise ValueError(f"{name} must be a contiguous int32 tensor with {ndim} dims and batch "
@@ -152,8 +173,11 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     block_tables[b, pos // block_size], offset pos % block_size, both looked up on the GPU.
     Rows with seq_lens[b] < 0, a position past the table or a -1 table entry write nothing.
     fp8 and q4 quantise on the way in (fp8 grows the block's scale and requantises the block's
-    other rows when needed), byte for byte as the torch formats do. seq_lens is not changed: call
-    increment() once per step after the last layer."""
+    other rows when needed), byte for byte as the torch formats do. With an exact tail
+    (ExactTail: fmt.prepare_decode has run for the step) a row whose block holds a recent slot
+    goes to the exact rows instead, and a row at position 0 to its block's sink slot too, as
+    ExactTail.write does. seq_lens is not changed: call increment() once per step after the
+    last layer."""
     name = _format_name(fmt)
     if k.shape != v.shape or k.dim() != 3 or k.dtype != v.dtype or k.dtype not in _DTYPE_NAME:
         raise ValueError(f"k, v must be [B, kv_heads, head_dim] fp32/fp16/bf16, got "
@@ -171,10 +195,11 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
         return
     dev = _device_index(k)
     k, v = k.contiguous(), v.contiguous()
+    *exact, exact_dt = _exact_tail(fmt, store, cache, hd)
     args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache),
             _cp(key_scale if key_scale is not None else cache), _cp(block_tables),
-            _cp(seq_lens), np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
-            np.int32(block_size), np.int32(kvh), np.int32(hd), np.int32(group))
+            _cp(seq_lens), *exact, np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
+            np.int32(block_size), np.int32(kvh), np.int32(hd), np.int32(group), exact_dt)
     fn = f"kv_append_{name}_{_DTYPE_NAME[k.dtype]}"
     _launch("kv_append", fn, dev, (b, kvh, 2), (APPEND_THREADS,), args)
 
@@ -250,7 +275,8 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
 
     Row b attends to its first context_lens[b] + len_offset tokens (including the new one;
     <= 0 gives a zero output) through block_tables[b]; query head h uses kv head
-    h // (H // kv_heads). Returns out [B, H, head_dim] in q's dtype (written into `out` when
+    h // (H // kv_heads); with an exact tail (ExactTail) K/V are read where it holds them, as
+    ExactTail.read does. Returns out [B, H, head_dim] in q's dtype (written into `out` when
     given). num_splits (KV splits per sequence, flash-decoding) defaults to
     choose_num_splits(...) with max_context_len (default: the block table's capacity) -- all
     host-side, so a captured graph keeps a fixed launch shape and any lengths stay correct."""
@@ -286,12 +312,13 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
     part_acc = torch.empty((b, h, num_splits, hd), dtype=torch.float32, device=q.device)
     part_ml = torch.empty((b, h, num_splits, 2), dtype=torch.float32, device=q.device)
     hd_name = "hd128" if hd <= 128 else "hd256"
+    *exact, exact_dt = _exact_tail(fmt, store, cache, hd)
     split_args = (
         _cp(q), _cp(cache), _cp(scale if scale is not None else cache),
         _cp(key_scale if key_scale is not None else cache), _cp(block_tables),
-        _cp(context_lens), _cp(part_acc), _cp(part_ml), np.int32(max_blocks), np.int32(len_offset),
+        _cp(context_lens), *exact, _cp(part_acc), _cp(part_ml), np.int32(max_blocks), np.int32(len_offset),
         np.int32(h), np.int32(kvh), np.int32(hd), np.int32(n_layers), np.int32(layer),
-        np.int32(block_size), np.int32(group), np.int32(num_splits),
+        np.int32(block_size), np.int32(group), np.int32(num_splits), exact_dt,
         np.float32(sm_scale * math.log2(math.e)))
     _launch("flash_decode", f"flash_decode_split_{name}_{_DTYPE_NAME[q.dtype]}_{hd_name}", dev,
             (num_splits, kvh * chunks, b), (DECODE_THREADS,), split_args)

@@ -96,7 +96,7 @@ def check_session_id(session_id: str) -> None:
 
 # SamplingParams' `optional` fields: unset keeps the engine's default
 _OPTIONAL = ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "seed", "logprobs", "min_p",
-             "presence_penalty", "frequency_penalty", "min_new_tokens", "prompt_logprobs")
+             "presence_penalty", "frequency_penalty", "min_new_tokens", "prompt_logprobs", "speculative")
 
 
 def sampling_of(req: pb.GenerateRequest) -> SamplingParams:

@@ -52,6 +52,14 @@ class Metrics:
                                 ["finish_reason"], registry=r)
         for reason in sorted(set(FINISH_REASONS.values())):
             self.finished.labels(reason)
+        # speculative decoding, per request that drafted
+        self.drafted = Counter("kvgen_spec_draft_tokens", "Tokens drafted for speculative decoding", registry=r)
+        self.accepted = Counter("kvgen_spec_accepted_tokens", "Drafted tokens the model accepted", registry=r)
+        self.acceptance = Histogram("kvgen_spec_acceptance_rate", "Accepted / drafted tokens of a request",
+                                    buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0), registry=r)
+        self.accepted_length = Histogram("kvgen_spec_accepted_length",
+                                         "Mean drafted tokens accepted per verification, per request",
+                                         buckets=(0.5, 1, 1.5, 2, 3, 4, 5, 6, 8), registry=r)
         # per RPC
         self.handled = Counter("grpc_server_handled", "RPCs completed on the server, by status code",
                                ["grpc_service", "grpc_method", "grpc_type", "grpc_code"], registry=r)
@@ -124,6 +132,11 @@ class Metrics:
         self.generation_tokens.inc(len(seq.output_ids))
         if seq.finish_reason is not None:
             self.finished.labels(FINISH_REASONS[seq.finish_reason]).inc()
+        if seq.drafted:
+            self.drafted.inc(seq.drafted)
+            self.accepted.inc(seq.accepted)
+            self.acceptance.observe(seq.accepted / seq.drafted)
+            self.accepted_length.observe(seq.accepted / seq.verifications)
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         return _HandledInterceptor(self.handled)

@@ -168,7 +168,9 @@ class Tracing:
             decode = tracer.start_span("kvgen.decode", ctx, start_time=ns(first), attributes={
                 **seq_attrs, "kvgen.decode.steps": rec.decode_steps,
                 "kvgen.decode.step_seconds": rec.decode_seconds,
-                "kvgen.output_tokens": len(seq.output_ids), "kvgen.preemptions": rec.preemptions})
+                "kvgen.output_tokens": len(seq.output_ids), "kvgen.preemptions": rec.preemptions,
+                "kvgen.spec.drafted_tokens": seq.drafted, "kvgen.spec.accepted_tokens": seq.accepted,
+                "kvgen.spec.verifications": seq.verifications})
 
         def phase(t: float):
             if decode is not None and t >= first:

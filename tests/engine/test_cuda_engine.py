@@ -10,17 +10,21 @@
   (top-2 logit gap < 1e-2); fp8 / q4 agree for most tokens (the agreement is printed, -s);
 * graphs on == graphs off token for token at batch 1, 3 and 8 (padded to buckets 1, 4, 8, and
   smaller buckets as sequences finish);
+* the prefix cache (a shared prompt's blocks reused, same tokens as without) and constrained
+  decoding (JSON Schema, with the mask computed during the CUDA forward) on CUDA;
 * GetModelInfo reports the device.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import torch
 
 from kvgen.engine.attention import Step
+from kvgen.engine.constraint import Constraint
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
@@ -267,6 +271,46 @@ def test_graphs_on_equals_off(cuda_model, oracle_ids, kv, batch):
     assert gen_on.engine.runner.graphs.captured and not gen_off.engine.runner.graphs.captured
     assert {1: 1, 3: 4, 8: 8}[batch] in gen_on.engine.runner.graphs.captured
     assert on == off
+
+
+# ---- the prefix cache and constrained decoding on CUDA ------------------------------------------
+
+
+def test_prefix_cache_on_cuda(cuda_model):
+    tok = cuda_model[1]
+    system = tok.encode("You are a careful assistant. Answer briefly and cite the manual. " * 12)
+    prompts = [system + tok.encode(f" Question {q}: what is in section {q}?") for q in ("one", "two")]
+    on = Generator(*cuda_model, EngineOptions(device="cuda", kv_cache_mb=64))
+    off = Generator(*cuda_model, EngineOptions(device="cuda", kv_cache_mb=64, prefix_cache=False))
+    try:
+        first, second = (on.generate(p, GREEDY) for p in prompts)
+        assert first.usage.cached_tokens == 0
+        assert second.usage.cached_tokens >= len(system) // 16 * 16 - 16
+        assert on.scheduler.kv.prefix.stats.hits >= 1
+        assert second.token_ids == off.generate(prompts[1], GREEDY).token_ids
+    finally:
+        on.close()
+        off.close()
+
+
+def test_constrained_json_on_cuda(cuda_model):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=64,
+                            constraint=Constraint("json_schema", json.dumps(schema)))
+    gen = Generator(*cuda_model, EngineOptions(device="cuda", kv_cache_mb=64))
+    try:
+        gen.bridge.run(gen.compile(params))
+        out = gen.batch_generate([[{"role": "user", "content": "Describe Paris as JSON."}]] * 3
+                                 + ["The capital of France is"], [params] * 3 + [GREEDY])
+        for r in out[:3]:
+            value = json.loads(r.text)
+            assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+            assert r.finish_reason.name == "STOP_TOKEN"
+        assert len(out[3].token_ids) == N_NEW  # the unconstrained row in the same batch
+    finally:
+        gen.close()
 
 
 # ---- the server --------------------------------------------------------------------------------

@@ -106,7 +106,7 @@ def _forward_decode(model, fmt, store, caches, tokens):
 
 def _sequences(token_lists, caches):
     """Stand-ins for the engine's sequences, with what ModelRunner reads: tokens and cache."""
-    return [SimpleNamespace(tokens=list(t), cache=c, prompt_logprobs=None)
+    return [SimpleNamespace(tokens=list(t), cache=c, prompt_logprobs=None, draft=[])
             for t, c in zip(token_lists, caches, strict=True)]
 
 
@@ -166,8 +166,9 @@ def test_graphs_on_and_off_give_identical_logits(tiny):
 
 
 def test_kernel_attention_is_picked_only_where_the_kernels_serve(tiny):
-    """The one question to kvgen.gpu: CPU steps, windows, chunks, formats without kernels and
-    a stage of exact recent blocks all keep torch attention (and no graphs)."""
+    """The one question to kvgen.gpu: CPU steps, windows, chunks and formats without kernels
+    keep torch attention (and no graphs); an exact tail (recent_slots) runs on the kernels of
+    its format (tests/gpu/test_emulated_exact_tail.py)."""
     cfg = tiny.cfg
     cpu = torch.device("cpu")
 
@@ -179,7 +180,8 @@ def test_kernel_attention_is_picked_only_where_the_kernels_serve(tiny):
     assert pick_kernel_attention(cpu, fmt("fp32"), cfg.head_dim, window=8, kernels=RefKernels) is None
     assert pick_kernel_attention(cpu, fmt("fp32"), cfg.head_dim, chunk=8, kernels=RefKernels) is None
     assert pick_kernel_attention(cpu, fmt("q3"), cfg.head_dim, kernels=RefKernels) is None
-    assert pick_kernel_attention(cpu, fmt("q4", recent_slots=2), cfg.head_dim, kernels=RefKernels) is None
+    assert pick_kernel_attention(cpu, fmt("q4", recent_slots=2), cfg.head_dim, kernels=RefKernels) is not None
+    assert pick_kernel_attention(cpu, fmt("q3", recent_slots=2), cfg.head_dim, kernels=RefKernels) is None
     assert pick_kernel_attention(cpu, fmt("fp32"), 512, kernels=RefKernels) is None  # head_dim past the kernels'
     runner = ModelRunner(tiny, fmt("fp32"), {})
     assert runner.kernel_attention is None and runner.graphs is None

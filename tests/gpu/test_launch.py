@@ -99,8 +99,42 @@ def test_flash_decode_grid(launches):
     (_, split_fn, split_grid, _, split_args), (_, red_fn, red_grid, _, red_args) = launches
     assert split_fn == "flash_decode_split_fp16_f16_hd128" and split_grid == (3, 2 * 2, 5)
     assert red_fn == "flash_decode_reduce_f16" and red_grid == (24, 5)
-    assert split_args[6].shape == (5, 24, 3, 64) and split_args[7].shape == (5, 24, 3, 2)
+    assert split_args[10].shape == (5, 24, 3, 64) and split_args[11].shape == (5, 24, 3, 2)
     assert math.isclose(float(split_args[-1]), math.log2(math.e) / 8, rel_tol=1e-6)
+    assert split_args[-2] == -1  # no exact tail
+
+
+@pytest.mark.parametrize("name", ("fp8", "q4"))
+def test_exact_tail_args(ptx_entries, launches, name):
+    """An ExactTail format (recent_slots) passes its exact rows, recent slot map, sink and
+    first-token slot map where kv_append / flash_decode_split declare them (the parameters
+    named exact_rows .. first_of, exact_dt in kv_append.cu / flash_decode.cu), with the rows'
+    dtype id; a plain store of the same format passes -1 there."""
+    from kvgen.engine.kv.formats import make_format
+    from kvgen.gpu import ops
+
+    b, kvh, hd, bs = 3, 2, 64, 16
+    bt = torch.zeros((b, 4), dtype=torch.int32)
+    lens = torch.tensor([0, 5, -1], dtype=torch.int32)
+    for dt, dt_id in ((torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2)):
+        fmt = make_format(name, 2, bs, kvh, hd, compute_dtype=dt, recent_slots=2)
+        store = fmt.allocate(6)
+        k = torch.zeros((b, kvh, hd), dtype=torch.float16)
+        ops.kv_append(fmt, store, 1, k, k, bt, lens)
+        ops.flash_decode(torch.zeros((b, 3 * kvh, hd), dtype=torch.float16), fmt, store, 1, bt, lens, len_offset=1)
+        (amod, afn, _, _, aargs), (smod, sfn, _, _, sargs), _ = launches[-3:]
+        assert (afn, sfn) == (f"kv_append_{name}_f16", f"flash_decode_split_{name}_f16_hd128")
+        raw = ops._raw(torch.empty(0, dtype=dt)).dtype  # as passed: f16 / bf16 as int16 bits
+        for args in (aargs[7:11], sargs[6:10]):
+            assert [(a.shape, a.dtype) for a in args] == [
+                ((2, 2, 2, bs, kvh, hd), raw), ((6,), torch.int64), ((8, 2, 2, kvh, hd), raw), ((6,), torch.int64)]
+        assert aargs[-1] == dt_id and sargs[-2] == dt_id
+        assert len(ptx_entries[f"{amod}:{afn}"]) == len(aargs) and len(ptx_entries[f"{smod}:{sfn}"]) == len(sargs)
+    plain, store = empty_store(name, kvh=kvh, hd=hd)
+    ops.kv_append(plain, store, 1, k, k, bt, lens)
+    assert launches[-1][4][-1] == -1
+    with pytest.raises(ValueError, match="ExactTail serves the store"):  # a store it did not allocate
+        ops.kv_append(fmt, store, 1, k, k, bt, lens)
 
 
 def test_ops_validation(launches):

@@ -27,7 +27,7 @@ def manager(dtype="fp32", blocks=8, warm_bytes=1 << 30) -> tuple[KVManager, KVRe
 
 def seq(kv: KVManager, seq_id: int, prompt_len: int, table=None):
     return SimpleNamespace(seq_id=seq_id, prompt_ids=[0] * prompt_len, cache=table or kv.new_table(),
-                           cached_tokens=0, preemptions=0, keep_kv=True)
+                           cached_tokens=0, preemptions=0, keep_kv=True, draft=[], cut_draft=lambda keep: None)
 
 
 def run(kv: KVManager, rec: KVRecorder, s, n: int, oldest_needed: int = 0) -> None:

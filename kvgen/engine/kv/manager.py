@@ -106,6 +106,14 @@ class KVManager:
             if dropped:
                 self._emit("kv.drop", table, dropped, before=oldest_needed)
 
+    def truncate(self, table: PagedKVCache, n: int) -> None:
+        """A running sequence keeps only its first n tokens' K/V (speculative decoding's rejected
+        drafts): the blocks past them go back to the pool."""
+        before = table.length
+        freed = table.truncate(n)
+        if table.length != before:
+            self._emit("kv.truncate", table, freed, tokens_before=before, tokens_after=table.length)
+
     def share_prefix(self, table: PagedKVCache, salt: str, ids: list[int]) -> int:
         """Start an empty table with the cached blocks ids begin with. Returns the tokens reused."""
         if self.prefix is None or table.blocks:

@@ -47,6 +47,15 @@ class _Slots:
                 self.free.append(slot)
 
 
+def _span(blocks: list[int], offsets: list[int]) -> dict[int, list[int]]:
+    """block -> [first offset, last offset] written."""
+    span: dict[int, list[int]] = {}
+    for b, o in zip(blocks, offsets, strict=True):
+        lo_hi = span.setdefault(b, [o, o])
+        lo_hi[0], lo_hi[1] = min(lo_hi[0], o), max(lo_hi[1], o)
+    return span
+
+
 class ExactTail:
     """A quantized format (`inner`, formats.py) with each sequence's newest block and first token
     held exact beside its store; it presents the format interface (allocate / write / read /
@@ -58,6 +67,10 @@ class ExactTail:
     by `recent`) and sink [4 * slots, L, 2, KVH, HD] (first tokens, lent by `first`), in the
     compute dtype; pending: full blocks to quantize at the next forward pass that writes
     elsewhere. One store at a time: `allocate` starts a fresh one (and fresh slots).
+
+    The GPU decode kernels (kvgen.gpu.ops) serve it too: `prepare_decode` does on the host what
+    `write` does around a forward pass (slots, flushes), then the kernels write and read the
+    tensors of `exact_tensors` through the device slot maps as `write` / `read` do.
     """
 
     def __init__(self, inner, slots: int):
@@ -129,22 +142,9 @@ class ExactTail:
                 if slot is not None:
                     self.sink[slot, layer, 0], self.sink[slot, layer, 1] = k[i], v[i]
         bl, of = blocks.tolist(), offsets.tolist()
-        span: dict[int, list[int]] = {}  # block -> [first offset, last offset] written
-        for b, o in zip(bl, of, strict=True):
-            lo_hi = span.setdefault(b, [o, o])
-            lo_hi[0], lo_hi[1] = min(lo_hi[0], o), max(lo_hi[1], o)
-        last = fmt.block_size - 1
+        span = _span(bl, of)
         if layer == 0:  # a forward pass starts: slots are given back and taken for all layers
-            # A full block stays exact until a write goes elsewhere (its sequence's next block):
-            # the query that filled it, like every other, saw its own block exact.
-            done = [b for b in self.pending if b not in span]
-            if done:
-                self._flush(store, done)
-            for b, (lo, hi) in span.items():
-                if b in self.recent.held or (lo == 0 and hi == last):  # a block written whole is old at once
-                    continue
-                if self.recent.acquire(b) is not None and lo > 0:
-                    self._stage_existing(store, b)  # e.g. a block cut by truncate
+            self._start_pass(store, span)
         slots = [self.recent.held.get(b, -1) for b in bl]
         staged = [i for i, sl in enumerate(slots) if sl >= 0]
         if len(staged) < len(bl):
@@ -160,7 +160,47 @@ class ExactTail:
         rows[:, 0].index_put_((sl, off), k[idx].to(dev, rows.dtype))
         rows[:, 1].index_put_((sl, off), v[idx].to(dev, rows.dtype))
         if layer == fmt.num_layers - 1:
-            self.pending.update(b for b, (_, hi) in span.items() if hi == last and b in self.recent.held)
+            self._end_pass(span)
+
+    def prepare_decode(self, store: dict, blocks: list[int], offsets: list[int], positions: list[int]) -> None:
+        """What write does on the host for a whole forward pass, for a decode step the GPU
+        kernels run (ops.kv_append / flash_decode read the slot maps on the device, inside a CUDA
+        graph): each row writes one token at (blocks[i], offsets[i]), position positions[i],
+        all known on the host. Flushes the full blocks this step does not write, takes the
+        slots the rows write into (and a first-token slot for position 0), and marks the
+        blocks the step fills as pending. Call before the step; reads no device value."""
+        self._check(store)
+        for b, p in zip(blocks, positions, strict=True):
+            if p == 0:
+                self.first.acquire(b)
+        span = _span(blocks, offsets)
+        self._start_pass(store, span)
+        self._end_pass(span)  # host bookkeeping only: the step's writes come after, as in write
+
+    def exact_tensors(self, store: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rows, recent slot map, sink, first-token slot map): what the GPU kernels read
+        besides the store. Fixed addresses for the life of the store (maps change in place)."""
+        self._check(store)
+        return self.rows, self.recent.of, self.sink, self.first.of
+
+    def _start_pass(self, store: dict, span: dict[int, list[int]]) -> None:
+        """A forward pass writing `span` (block -> [first, last offset]) starts."""
+        # A full block stays exact until a write goes elsewhere (its sequence's next block):
+        # the query that filled it, like every other, saw its own block exact.
+        done = [b for b in self.pending if b not in span]
+        if done:
+            self._flush(store, done)
+        last = self.inner.block_size - 1
+        for b, (lo, hi) in span.items():
+            if b in self.recent.held or (lo == 0 and hi == last):  # a block written whole is old at once
+                continue
+            if self.recent.acquire(b) is not None and lo > 0:
+                self._stage_existing(store, b)  # e.g. a block cut by truncate
+
+    def _end_pass(self, span: dict[int, list[int]]) -> None:
+        """The pass wrote `span`: its staged blocks that are now full wait for the next pass."""
+        last = self.inner.block_size - 1
+        self.pending.update(b for b, (_, hi) in span.items() if hi == last and b in self.recent.held)
 
     def _flush(self, store: dict, blocks: list[int]) -> None:
         """Quantize full staged blocks into the store, every layer (all their tokens are known),

@@ -172,6 +172,20 @@ KVG_HD void kvg_store(void* p, i64 i, float v) {
   else ((u16*)p)[i] = kvg_f32_to_bf16(v);
 }
 
+// The same with the element type known only at run time (ExactTail's rows and first tokens are
+// in the model's compute dtype, which the kernels' templates do not name). Warp-uniform branch.
+KVG_HD float kvg_load_dt(const void* p, i64 i, int dt) {
+  if (dt == KVG_F32) return ((const float*)p)[i];
+  if (dt == KVG_F16) return kvg_f16_to_f32(((const u16*)p)[i]);
+  return kvg_bf16_to_f32(((const u16*)p)[i]);
+}
+
+KVG_HD void kvg_store_dt(void* p, i64 i, float v, int dt) {
+  if (dt == KVG_F32) ((float*)p)[i] = v;
+  else if (dt == KVG_F16) ((u16*)p)[i] = kvg_f32_to_f16(v);
+  else ((u16*)p)[i] = kvg_f32_to_bf16(v);
+}
+
 #if defined(__CUDACC__)
 // Sum / max over the 32 lanes of a warp; every lane gets the result.
 __device__ __forceinline__ float kvg_warp_sum(float v) {

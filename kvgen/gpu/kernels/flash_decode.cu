@@ -18,6 +18,11 @@
 //     out = sum_s acc_s 2^(m_s - M) / sum_s l_s 2^(m_s - M), M = max_s m_s.
 // Scores are kept in base 2 (q is pre-multiplied by sm_scale * log2(e)), so exp2f is used.
 //
+// Exact tail (kvgen/engine/kv/stage.py ExactTail; exact_dt >= 0): a token whose block holds a
+// recent slot (recent_of[block] >= 0) is read from the exact rows, and row 0 of a block with a
+// first-token slot (first_of[block] >= 0) from the sink (before the rows, as ExactTail.read);
+// every other token from the quantized store. Layouts in kv_append.cu.
+//
 // Cache layout: see kv_append.cu. Requires head_dim <= 32 * DPL (DPL = 4 or 8, i.e. 128 or
 // 256), chosen by ops.py.
 #include "common.cuh"
@@ -33,9 +38,14 @@ struct DecodeArgs {
   const void* key_scale;    // q4: f16 keys [NB, L, KVH, HD]
   const int* block_tables;  // [B, max_blocks]
   const int* context_lens;  // [B]
+  const void* exact_rows;   // exact tail (see above); unused when exact_dt < 0
+  const i64* recent_of;
+  const void* sink;
+  const i64* first_of;
   float* part_acc;          // [B, H, S, HD] unnormalised partial outputs
   float* part_ml;           // [B, H, S, 2] (running max m, sum of exp l), base 2
   int max_blocks, len_offset, H, KVH, HD, L, layer, BS, group, num_splits;
+  int exact_dt;             // KVG_F32 / F16 / BF16 of exact_rows and sink; -1: no exact tail
   float qk_scale;           // sm_scale * log2(e)
 };
 
@@ -76,6 +86,40 @@ __device__ __forceinline__ void kvg_fd_load(const DecodeArgs& a, i64 blk, int kv
       }
     }
   }
+}
+
+// K and V of token (blk, off): from the exact tail where it holds them, else the store.
+// Uniform across the warp (one token per warp).
+template <int FMT, int DPL>
+__device__ __forceinline__ void kvg_fd_load_kv(const DecodeArgs& a, i64 blk, int off, int kvh, int d0,
+                                               int dpl, float (&kx)[DPL], float (&vx)[DPL]) {
+  if (a.exact_dt >= 0) {
+    const void* src = a.exact_rows;
+    i64 base = -1, kv_stride = 0;  // element index of the K row, and V's distance from it
+    const i64 first = off == 0 ? a.first_of[blk] : -1;
+    if (first >= 0) {  // sink [slots, L, 2, KVH, HD]
+      src = a.sink;
+      base = ((first * a.L + a.layer) * 2 * a.KVH + kvh) * (i64)a.HD;
+      kv_stride = (i64)a.KVH * a.HD;
+    } else {
+      const i64 slot = a.recent_of[blk];
+      if (slot >= 0) {  // exact_rows [slots, L, 2, BS, KVH, HD]
+        base = kvg_fd_row(a, slot, 0, off, kvh, a.HD);
+        kv_stride = (i64)a.BS * a.KVH * a.HD;
+      }
+    }
+    if (base >= 0) {
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        const bool ok = i < dpl && d0 + i < a.HD;
+        kx[i] = ok ? kvg_load_dt(src, base + d0 + i, a.exact_dt) : 0.0f;
+        vx[i] = ok ? kvg_load_dt(src, base + kv_stride + d0 + i, a.exact_dt) : 0.0f;
+      }
+      return;
+    }
+  }
+  kvg_fd_load<FMT, DPL>(a, blk, 0, off, kvh, d0, dpl, kx);
+  kvg_fd_load<FMT, DPL>(a, blk, 1, off, kvh, d0, dpl, vx);
 }
 
 template <int FMT, int QT, int DPL>
@@ -119,8 +163,7 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
     if (id < 0) continue;  // not expected inside len; warp-uniform, so shuffles stay safe
     const int off = t % a.BS;
     float kx[DPL], vx[DPL];
-    kvg_fd_load<FMT, DPL>(a, id, 0, off, kvh, d0, dpl, kx);
-    kvg_fd_load<FMT, DPL>(a, id, 1, off, kvh, d0, dpl, vx);
+    kvg_fd_load_kv<FMT, DPL>(a, id, off, kvh, d0, dpl, kx, vx);
 #pragma unroll
     for (int g = 0; g < KVG_FD_MAX_G; ++g) {
       if (g < ng) {  // uniform across the warp
@@ -201,14 +244,16 @@ __device__ void kvg_decode_reduce(const float* part_acc, const float* part_ml, v
 // flash_decode_split_<cache format>_<q dtype>_hd<32 * DPL>, flash_decode_reduce_<out dtype>.
 #define KVG_SPLIT_PARAMS                                                                        \
   const void *q, const void *cache, const void *cache_scale, const void *key_scale,              \
-      const int *block_tables, const int *context_lens, float *part_acc, float *part_ml,        \
-      int max_blocks, int len_offset,                                                           \
-      int H, int KVH, int HD, int L, int layer, int BS, int group, int num_splits, float qk_scale
-#define KVG_SPLIT_ARGS                                                                          \
-  DecodeArgs {                                                                                  \
-    q, cache, cache_scale, key_scale, block_tables, context_lens, part_acc, part_ml, max_blocks,  \
-        len_offset, H, KVH, HD, L, layer, BS, group, num_splits, qk_scale                       \
-  }
+      const int *block_tables, const int *context_lens, const void *exact_rows,                 \
+      const i64 *recent_of, const void *sink, const i64 *first_of, float *part_acc,             \
+      float *part_ml, int max_blocks, int len_offset, int H, int KVH, int HD, int L, int layer, \
+      int BS, int group, int num_splits, int exact_dt, float qk_scale
+#define KVG_SPLIT_ARGNAMES                                                                      \
+  q, cache, cache_scale, key_scale, block_tables, context_lens, exact_rows, recent_of, sink,     \
+      first_of, part_acc, part_ml, max_blocks, len_offset, H, KVH, HD, L, layer, BS, group,     \
+      num_splits, exact_dt, qk_scale
+#define KVG_SPLIT_ARGS \
+  DecodeArgs { KVG_SPLIT_ARGNAMES }
 
 #define KVG_DEFINE_SPLIT(NAME, FMT, QT, DPL)                                                  \
   extern "C" __global__ void __launch_bounds__(KVG_FD_THREADS) NAME(KVG_SPLIT_PARAMS) {        \

@@ -15,6 +15,14 @@
 //          vscale [NB, L, BS, KVH, HD / G]     f16 bits: values, one per token and group
 //          kscale [NB, L, KVH, HD]             f16 bits: keys, one per channel over the block
 //
+// Exact tail (ExactTail in kvgen/engine/kv/stage.py; exact_dt >= 0): a quantized store whose
+// sequences keep their newest block and their first token exact, in the compute dtype exact_dt:
+//   exact_rows [slots, L, 2, BS, KVH, HD]  newest blocks; recent_of [NB] int64 slot of a block, -1
+//   sink       [4 * slots, L, 2, KVH, HD]  first tokens;  first_of [NB] int64 slot of a block, -1
+// A row whose block holds a recent slot is written there (cast) instead of into the store; a
+// row at position 0 is also written to its block's sink slot. The host takes and gives back
+// the slots before the step (ExactTail.prepare_decode), so the kernel only reads the maps.
+//
 // Grid (B, KVH, 2): one thread block per batch row, kv head and k|v, 128 threads.
 // Requires head_dim <= 256 (checked by ops.py).
 #include "common.cuh"
@@ -30,7 +38,12 @@ struct AppendArgs {
   void* key_scale;         // q4: f16 key scales; others: unused
   const int* block_tables; // [B, max_blocks]
   const int* seq_lens;     // [B] tokens already cached = position of the new token
+  void* exact_rows;        // exact tail (see above); unused when exact_dt < 0
+  const i64* recent_of;
+  void* sink;
+  const i64* first_of;
   int max_blocks, L, layer, BS, KVH, HD, group;
+  int exact_dt;            // KVG_F32 / F16 / BF16 of exact_rows and sink; -1: no exact tail
 };
 
 // Where row b's new token goes; false for padding rows.
@@ -52,13 +65,39 @@ __device__ __forceinline__ i64 kvg_row(const AppendArgs& a, i64 blk, int kv, int
   return ((((blk * a.L + a.layer) * 2 + kv) * a.BS + off) * a.KVH + kvh) * (i64)width;
 }
 
+// ---- exact tail: the row goes to its block's exact slot (and position 0 to the sink) -------
+template <int IT>
+__device__ __forceinline__ void kvg_copy_row(void* dst, i64 out, const void* src, i64 in, int HD, int dt) {
+#pragma unroll 1
+  for (int d = threadIdx.x; d < HD; d += blockDim.x) kvg_store_dt(dst, out + d, kvg_load<IT>(src, in + d), dt);
+}
+
+// True when the row was written exact (the caller then leaves the store alone). Uniform per
+// thread block, so a caller returning on it skips no barrier.
+template <int IT>
+__device__ __forceinline__ bool kvg_append_exact(const AppendArgs& a, int b, int kvh, int kv, i64 blk,
+                                                 int off) {
+  if (a.exact_dt < 0) return false;
+  const void* src = kv ? a.v : a.k;
+  const i64 in = ((i64)b * a.KVH + kvh) * a.HD;
+  const i64 first = a.seq_lens[b] == 0 ? a.first_of[blk] : -1;
+  if (first >= 0)  // the sequence's first token: kept in the sink as well
+    kvg_copy_row<IT>(a.sink, (((first * a.L + a.layer) * 2 + kv) * a.KVH + kvh) * (i64)a.HD, src, in, a.HD,
+                     a.exact_dt);
+  const i64 slot = a.recent_of[blk];
+  if (slot < 0) return false;
+  // exact_rows has the store's row layout, with slots for blocks
+  kvg_copy_row<IT>(a.exact_rows, kvg_row(a, slot, kv, off, kvh, a.HD), src, in, a.HD, a.exact_dt);
+  return true;
+}
+
 // ---- fp32 / fp16 / bf16: cast and store --------------------------------------------------
 template <int CT, int IT>
 __device__ void kvg_append_plain(const AppendArgs& a) {
   const int b = blockIdx.x, kvh = blockIdx.y, kv = blockIdx.z;
   i64 blk;
   int off;
-  if (!kvg_slot(a, b, &blk, &off)) return;
+  if (!kvg_slot(a, b, &blk, &off) || kvg_append_exact<IT>(a, b, kvh, kv, blk, off)) return;
   const void* src = kv ? a.v : a.k;
   const i64 in = ((i64)b * a.KVH + kvh) * a.HD;
   const i64 out = kvg_row(a, blk, kv, off, kvh, a.HD);
@@ -77,7 +116,8 @@ __device__ void kvg_append_fp8(const AppendArgs& a) {
   const int b = blockIdx.x, kvh = blockIdx.y, kv = blockIdx.z;
   i64 blk;
   int off;
-  if (!kvg_slot(a, b, &blk, &off)) return;  // uniform per thread block: no barrier skipped
+  // uniform per thread block: no barrier skipped
+  if (!kvg_slot(a, b, &blk, &off) || kvg_append_exact<IT>(a, b, kvh, kv, blk, off)) return;
   const void* src = kv ? a.v : a.k;
   const i64 in = ((i64)b * a.KVH + kvh) * a.HD;
   u8* cache = (u8*)a.cache;
@@ -180,6 +220,7 @@ __device__ void kvg_append_q4(const AppendArgs& a) {
   i64 blk;
   int off;
   if (!kvg_slot(a, b, &blk, &off)) return;
+  if (kvg_append_exact<IT>(a, b, kvh, kv, blk, off)) return;
   if (kv)
     kvg_append_q4_values<IT>(a, b, kvh, blk, off);
   else
@@ -189,10 +230,14 @@ __device__ void kvg_append_q4(const AppendArgs& a) {
 // ---- entry points: kv_append_<cache format>_<input dtype> ---------------------------------
 #define KVG_APPEND_PARAMS                                                                   \
   const void *k, const void *v, void *cache, void *cache_scale, void *key_scale,             \
-      const int *block_tables, const int *seq_lens, int max_blocks, int L, int layer, int BS, \
-      int KVH, int HD, int group
+      const int *block_tables, const int *seq_lens, void *exact_rows, const i64 *recent_of,   \
+      void *sink, const i64 *first_of, int max_blocks, int L, int layer, int BS, int KVH,     \
+      int HD, int group, int exact_dt
+#define KVG_APPEND_ARGNAMES                                                                   \
+  k, v, cache, cache_scale, key_scale, block_tables, seq_lens, exact_rows, recent_of, sink,   \
+      first_of, max_blocks, L, layer, BS, KVH, HD, group, exact_dt
 #define KVG_APPEND_ARGS \
-  AppendArgs { k, v, cache, cache_scale, key_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH, HD, group }
+  AppendArgs { KVG_APPEND_ARGNAMES }
 
 #define KVG_DEFINE_APPEND(NAME, BODY)                                                       \
   extern "C" __global__ void __launch_bounds__(KVG_APPEND_THREADS) NAME(KVG_APPEND_PARAMS) { \

@@ -16,15 +16,13 @@ typedef void (*incr_fn)(int*, const u8*, int, int, int);
 extern "C" {
 void emu_append(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, KVG_APPEND_PARAMS) {
   emu_launch(gx, gy, gz, threads, [&] {
-    ((append_fn)f)(k, v, cache, cache_scale, key_scale, block_tables, seq_lens, max_blocks, L, layer, BS, KVH,
-                   HD, group);
+    ((append_fn)f)(KVG_APPEND_ARGNAMES);
   });
 }
 
 void emu_split(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned threads, KVG_SPLIT_PARAMS) {
   emu_launch(gx, gy, gz, threads, [&] {
-    ((split_fn)f)(q, cache, cache_scale, key_scale, block_tables, context_lens, part_acc, part_ml, max_blocks,
-                  len_offset, H, KVH, HD, L, layer, BS, group, num_splits, qk_scale);
+    ((split_fn)f)(KVG_SPLIT_ARGNAMES);
   });
 }
 

@@ -1,0 +1,179 @@
+"""Speculative decoding on the CPU: batch-1 decode tokens/s with each drafter against plain
+decoding, on three prompt sets, next to llama.cpp's own prompt-lookup decoding
+(llama-cpp-python's LlamaPromptLookupDecoding) on the same GGUF and prompts in the same run;
+and 16 concurrent streams, speculation on against off. Writes bench/results/speculative.md.
+
+kvgen runs in process (Generator, the engine the server drives), greedy, up to 128 new tokens
+(EOS banned, for both engines: every completion has the same length); decode rate = (tokens - 1) / time after the first
+token, per prompt, then the mean over a set. Drafters: ngram (prompt lookup), draft (the
+embedded model at int4 weights drafting for the fp32 one).
+
+    make bench-speculative    (or .venv/bin/python bench/speculative.py [--new-tokens N])
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from bench import peers  # noqa: E402
+from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
+from kvgen.engine.loader import embedded_model_path  # noqa: E402
+from kvgen.engine.sampling import SamplingParams  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results" / "speculative.md"
+PASSAGE = ("The lighthouse stood on a rock at the mouth of the bay. Every night the keeper climbed the one "
+           "hundred and twelve steps, trimmed the wick, wound the clockwork that turned the lens, and wrote "
+           "the weather in a small green book. Ships passing in the dark saw the beam sweep across the water "
+           "once every ten seconds.")
+CODE = ('def summarize(orders):\n    total = 0\n    count = 0\n    for order in orders:\n'
+        '        if order.status == "paid":\n            total += order.amount\n            count += 1\n'
+        '    average = total / count if count else 0\n    return {"total": total, "count": count, '
+        '"average": average}\n')
+SETS = {
+    "extraction": [f"Passage: {PASSAGE}\n\nRepeat the passage word for word.\nPassage: The lighthouse",
+                   f"Text: {PASSAGE}\n\nQuote the second sentence of the text exactly.\nQuote: \"Every night"],
+    "code editing": [f"{CODE}\n# The same function, with the variable `total` renamed to `paid_sum`:\n"
+                     "def summarize(orders):\n",
+                     f"{CODE}\n# The same function with type hints added:\ndef summarize(orders: list) -> dict:\n"],
+    "free chat": ["Question: What are three good habits for staying healthy?\nAnswer:",
+                  "Write a short story about a robot who learns to paint.\nStory:"],
+}
+MODES = ("off", "ngram", "draft")
+
+
+def kvgen_rates(gen: Generator, prompts: list[str], new_tokens: int) -> list[float]:
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    gen.generate("Hello", SamplingParams(temperature=0, max_new_tokens=4))  # warm-up
+    rates = []
+    for p in prompts:
+        first, n = None, 0
+        for ev in gen.generate_stream(p, params):
+            if ev.token_ids and first is None:
+                first = time.perf_counter()
+            n += len(ev.token_ids)
+        end = time.perf_counter()
+        rates.append((n - 1) / (end - first) if n > 1 else 0.0)
+    return rates
+
+
+def streams(gen: Generator, n: int, new_tokens: int) -> float:
+    prompts = [p for ps in SETS.values() for p in ps]
+    prompts = (prompts * n)[:n]
+    params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = gen.batch_generate(prompts, params)
+    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
+
+
+def llamacpp(prompts: list[str], new_tokens: int, draft_tokens: int, eos_ids: list[int]) -> dict | None:
+    py = peers.llamacpp_python()
+    if not os.access(py, os.X_OK):
+        print(f"llama.cpp peer skipped: {py} missing (run bash bench/setup_llamacpp.sh)")
+        return None
+    req = {"model": peers.model_path(), "prompts": prompts, "new_tokens": new_tokens, "threads": peers.cores(),
+           "draft_tokens": draft_tokens, "banned": eos_ids}
+    proc = subprocess.run([py, str(Path(__file__).with_name("llamacpp_lookup.py"))], input=json.dumps(req),
+                          capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        print(f"llama.cpp peer failed: {proc.stderr[-2000:]}")
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    torch.set_num_threads(peers.cores())
+    t_start = time.perf_counter()
+    path = embedded_model_path()
+    target = load_model(path, "fp32")
+    draft = load_model(path, "int4")[0]
+    opts = EngineOptions(speculative_tokens=5)
+    rows, accept = {}, {}
+    for mode in MODES:
+        gen = Generator(*target, dataclasses.replace(opts, speculative=mode),
+                        draft_model=draft if mode == "draft" else None)
+        try:
+            for name, prompts in SETS.items():
+                rows[(mode, name)] = kvgen_rates(gen, prompts, args.new_tokens)
+                print(f"kvgen {mode:5} {name:12}: {[f'{r:.1f}' for r in rows[(mode, name)]]} tok/s", flush=True)
+            accept[mode] = (gen.engine.accepted_tokens, gen.engine.drafted_tokens)
+            rows[(mode, "streams")] = [streams(gen, args.streams, 64)]
+            print(f"kvgen {mode:5} {args.streams} streams: {rows[(mode, 'streams')][0]:.1f} tok/s", flush=True)
+        finally:
+            gen.close()
+    all_prompts = [p for ps in SETS.values() for p in ps]
+    peer = llamacpp(all_prompts, args.new_tokens, opts.speculative_tokens, target[0].cfg.eos_token_ids)
+    peer_rows = {}
+    if peer:
+        for kind in ("plain", "lookup"):
+            rates = [r for r, _ in peer[kind]]
+            at = 0
+            for name, prompts in SETS.items():
+                peer_rows[(kind, name)] = rates[at:at + len(prompts)]
+                at += len(prompts)
+            print(f"llama.cpp {kind}: {[f'{r:.1f}' for r in rates]}", flush=True)
+    text = render(rows, peer_rows, accept, args, time.perf_counter() - t_start)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+def render(rows, peer_rows, accept, args, seconds: float) -> str:
+    mean = statistics.mean
+    lines = [
+        "# Speculative decoding (CPU)",
+        "",
+        f"Generated by `make bench-speculative` (bench/speculative.py) on {datetime.date.today().isoformat()}: "
+        f"{peers.cores()} cores ({peers.cpu_name()}), torch {torch.__version__}, {seconds:.0f} s in all. "
+        f"The embedded SmolLM2-135M, fp32 weights; greedy, {args.new_tokens} new tokens (EOS banned in both "
+        "engines); decode tok/s after the first token, mean over each set's prompts. "
+        "draft = the same model at int4 weights. "
+        "llama.cpp: llama-cpp-python on the same Q4_1 GGUF, plain and with LlamaPromptLookupDecoding "
+        "(its prompt lookup), same prompts, same run.",
+        "",
+        "| prompt set | kvgen off | kvgen ngram | x off | kvgen draft | x off | llama.cpp | llama.cpp lookup "
+        "| kvgen ngram x llama.cpp lookup |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name in SETS:
+        off, ng, dr = (mean(rows[(m, name)]) for m in MODES)
+        lp = mean(peer_rows[("plain", name)]) if peer_rows else float("nan")
+        ll = mean(peer_rows[("lookup", name)]) if peer_rows else float("nan")
+        lines.append(f"| {name} | {off:.1f} | {ng:.1f} | {ng / off:.2f} | {dr:.1f} | {dr / off:.2f} | {lp:.1f} | "
+                     f"{ll:.1f} | {ng / ll:.2f} |")
+    off16 = rows[("off", "streams")][0]
+    lines += [
+        "",
+        f"{args.streams} concurrent streams (64 tokens each, EOS ignored; SPECULATIVE_MAX_BATCH=8, so nobody "
+        "drafts at this load): aggregate tok/s "
+        + ", ".join(f"{m} {rows[(m, 'streams')][0]:.1f} ({rows[(m, 'streams')][0] / off16:.2f}x off)"
+                    for m in MODES) + ".",
+        "",
+        "Acceptance over the three sets: " + ", ".join(
+            f"{m} {a}/{d} drafted tokens kept ({a / d:.0%})" for m, (a, d) in accept.items() if d) + ".",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

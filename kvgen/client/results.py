@@ -1,0 +1,198 @@
+"""Typed results: frozen dataclasses made from the kvgen.v1 protobuf messages. Sequences are
+tuples; each result that mirrors a message keeps it as `.raw` (for fields newer than this client,
+or for protobuf's own JSON), left out of equality and repr."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvgen.v1 import generate_pb2 as pb
+
+
+class FinishReason(enum.IntEnum):
+    """Why a generation ended; equal to the proto's FINISH_REASON_* numbers, and false while a
+    stream is still going (UNSPECIFIED)."""
+
+    UNSPECIFIED = 0
+    STOP_TOKEN = 1  # EOS, a stop token, or the output constraint is complete
+    STOP_STRING = 2
+    LENGTH = 3  # max_new_tokens or the context length
+    CANCELLED = 4
+    ABORTED = 5
+
+    @classmethod
+    def of(cls, value: int) -> FinishReason:
+        try:
+            return cls(value)
+        except ValueError:  # a reason newer than this client
+            return cls.UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from a session or the prefix cache
+
+    @classmethod
+    def of(cls, m: pb.Usage) -> Usage:
+        return cls(m.prompt_tokens, m.completion_tokens, m.cached_tokens)
+
+
+@dataclass(frozen=True)
+class Timings:
+    time_to_first_token_ms: float = 0.0
+    total_ms: float = 0.0
+    queue_ms: float = 0.0
+
+    @classmethod
+    def of(cls, m: pb.Timings) -> Timings:
+        return cls(m.time_to_first_token_ms, m.total_ms, m.queue_ms)
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+    @classmethod
+    def of(cls, m: pb.TokenLogprob) -> TokenLogprob:
+        return cls(m.token_id, m.token, m.logprob, tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in m.top))
+
+
+def _logprobs(ms) -> tuple[TokenLogprob, ...]:
+    return tuple(TokenLogprob.of(m) for m in ms)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A whole generation (Generate, a BatchGenerate entry)."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    matched_stop: str  # the stop string or stop token that ended it, as text
+    usage: Usage
+    timings: Timings
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    replica: str = ""  # the server that answered (its x-kvgen-replica trailer)
+    raw: pb.GenerateResponse | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, m: pb.GenerateResponse, replica: str = "") -> Completion:
+        return cls(m.request_id, m.text, tuple(m.token_ids), FinishReason.of(m.finish_reason), m.matched_stop,
+                   Usage.of(m.usage), Timings.of(m.timings), _logprobs(m.logprobs), _logprobs(m.prompt_logprobs),
+                   replica, m)
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """One message of a stream: the text and tokens new since the previous one. The last carries
+    finish_reason, usage and timings (None before); the first, prompt_logprobs when asked for."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason = FinishReason.UNSPECIFIED
+    matched_stop: str = ""
+    usage: Usage | None = None
+    timings: Timings | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    raw: pb.GenerateStreamResponse | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, m: pb.GenerateStreamResponse) -> StreamDelta:
+        return cls(m.request_id, m.text, tuple(m.token_ids), _logprobs(m.logprobs), FinishReason.of(m.finish_reason),
+                   m.matched_stop, Usage.of(m.usage) if m.HasField("usage") else None,
+                   Timings.of(m.timings) if m.HasField("timings") else None, _logprobs(m.prompt_logprobs), m)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    architecture: str
+    context_length: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype: str
+    weight_dtype: str
+    has_chat_template: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int
+    kv_block_size: int
+    kv_blocks_total: int
+    device: str
+    prefix_cache: bool
+    raw: pb.GetModelInfoResponse | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, m: pb.GetModelInfoResponse) -> ModelInfo:
+        return cls(m.name, m.architecture, m.context_length, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads,
+                   m.head_dim, m.kv_dtype, m.weight_dtype, m.has_chat_template, tuple(m.eos_token_ids),
+                   m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m)
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    hits: int
+    misses: int
+    hit_tokens: int
+    evictions: int
+    blocks_in_pool: int
+    blocks_in_tiers: int
+
+
+@dataclass(frozen=True)
+class Load:
+    """How busy the server is (GetLoad)."""
+
+    replica: str
+    running_requests: int
+    waiting_requests: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_cache_usage: float
+    sessions_open: int
+    prefix_cache: PrefixCacheStats | None  # None when the server runs without one
+    tokens_per_second: float
+    requests_per_second: float
+    window_seconds: float
+    accepting: bool
+    raw: pb.GetLoadResponse | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, m: pb.GetLoadResponse) -> Load:
+        p = m.prefix_cache
+        stats = PrefixCacheStats(p.hits, p.misses, p.hit_tokens, p.evictions, p.blocks_in_pool,
+                                 p.blocks_in_tiers) if m.HasField("prefix_cache") else None
+        return cls(m.replica, m.running_requests, m.waiting_requests, m.kv_blocks_used, m.kv_blocks_total,
+                   m.kv_cache_usage, m.sessions_open, stats, m.tokens_per_second, m.requests_per_second,
+                   m.window_seconds, m.accepting, m)
+
+
+@dataclass(frozen=True)
+class AbortResult:
+    aborted: tuple[str, ...]  # ids of running requests, now ended with CANCELLED
+    unknown: tuple[str, ...]  # ids that named nothing running (not an error)
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    session_id: str
+    ttl_seconds: int  # an idle session is closed after this long

@@ -1,0 +1,20 @@
+"""Speculative decoding: a drafter proposes k tokens for a decoding sequence, the target model
+checks all of them in the same forward pass as the rest of the batch (k+1 query positions over
+the paged cache, like a prefill chunk), and the engine keeps the longest prefix the target
+agrees with, plus one token of the target's own.
+
+ngram.py        PromptLookup: propose what followed the sequence's last n-gram earlier in it
+draft_model.py  DraftModel: a cheaper model with the target's vocabulary decodes k tokens ahead
+verify.py       accept(): greedy prefix match, or rejection sampling (lossless in distribution)
+policy.py       DraftLength: each sequence's adaptive k (the seeds' 0.8 / 0.4 thresholds) and
+                the batch-size cap (speculation pays at low load only)
+"""
+
+from kvgen.engine.speculative.draft_model import DraftModel
+from kvgen.engine.speculative.ngram import PromptLookup
+from kvgen.engine.speculative.policy import DraftLength, draft_cap
+from kvgen.engine.speculative.verify import accept
+
+MODES = ("off", "ngram", "draft")
+
+__all__ = ["MODES", "DraftLength", "DraftModel", "PromptLookup", "accept", "draft_cap"]

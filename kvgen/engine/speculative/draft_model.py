@@ -1,0 +1,104 @@
+"""Drafting with a cheaper model that shares the target's vocabulary (DRAFT_MODEL, at
+DRAFT_WEIGHT_DTYPE: by default the embedded model at int4 weights drafting for the fp32 one).
+
+The draft keeps its own paged KV, in a BlockPool of its own (DRAFT_KV_MB) of the same block and
+table machinery as the target's: its blocks never compete with the requests' own, so drafting
+can neither preempt a request nor hold blocks a request is waiting for; when its pool is full a
+sequence simply is not drafted for. For each sequence it remembers which tokens its cache
+holds: a later proposal keeps the longest prefix the sequence still agrees with (rejected
+drafts and anything a preemption changed are dropped) and feeds the rest in one chunk.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from kvgen.engine.kv.formats import make_format
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.model import Model
+from kvgen.engine.model_runner import ModelRunner
+from kvgen.engine.sampling import adjust, distribution, sample
+from kvgen.errors import PoolExhausted
+
+PLAIN = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class DraftModel:
+    def __init__(self, model: Model, kv_mb: float = 128.0, block_size: int = 16, max_rows: int = 64):
+        cfg = model.cfg
+        fmt = make_format(PLAIN[model.act_dtype], cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim,
+                          compute_dtype=model.act_dtype)
+        self.model = model
+        self.pool = BlockPool.from_budget(fmt, kv_mb, model.device)
+        self.runner = ModelRunner(model, fmt, self.pool.store, max_rows=max_rows,
+                                  width=min(self.pool.capacity, -(-cfg.context_length // block_size)))
+        self._caches: dict[object, tuple[PagedKVCache, list[int]]] = {}  # seq -> (cache, tokens it holds)
+
+    def propose(self, wanted: list[tuple[object, int]]) -> dict[object, tuple[list[int], torch.Tensor | None]]:
+        """For each (sequence, k): k drafted tokens and, for sampled requests, the distribution
+        each was drawn from ([k, V]; None for greedy ones). All sequences decode together."""
+        live = []
+        for seq, k in wanted:
+            tokens = seq.tokens
+            cache, held = self._caches.get(seq) or (PagedKVCache(self.pool), [])
+            same = _common_prefix(held, tokens)
+            cache.truncate(min(same, len(tokens) - 1))  # the last token is fed again: its logits are needed
+            try:
+                cache.reserve(len(tokens) - cache.length + k - 1)
+            except PoolExhausted:
+                self.forget(seq)
+                continue
+            self._caches[seq] = (cache, tokens[:cache.length])
+            row = SimpleNamespace(tokens=list(tokens), cache=cache, prompt_logprobs=None, draft=[])
+            live.append((seq, k, row, [], []))
+        out = {}
+        n_new = {id(r): len(r.tokens) - r.cache.length for _, _, r, _, _ in live}
+        while live:
+            logits = self.runner.run([(r, n_new[id(r)]) for _, _, r, _, _ in live])
+            still = []
+            for (seq, k, row, drafted, qs), raw in zip(live, logits, strict=True):
+                n = n_new[id(row)]
+                row.cache.advance(n)
+                self._caches[seq][1].extend(row.tokens[row.cache.length - n:row.cache.length])
+                token, q = self._pick(raw[None], seq, row.tokens)
+                drafted.append(token)
+                qs.append(q)
+                row.tokens.append(token)
+                n_new[id(row)] = 1
+                if len(drafted) < k:
+                    still.append((seq, k, row, drafted, qs))
+                else:
+                    out[seq] = (drafted, None if qs[0] is None else torch.stack(qs))
+            live = still
+        return out
+
+    def _pick(self, raw: torch.Tensor, seq, tokens: list[int]) -> tuple[int, torch.Tensor | None]:
+        """The draft's token under the request's own sampling (greedy: its argmax)."""
+        p = seq.params
+        seen = [tokens] if p.repetition_penalty != 1.0 else [[]]
+        outputs = [tokens[len(seq.prompt_ids):]]
+        if p.greedy:
+            return sample(raw, [p], [None], seen, outputs=outputs, stops=[seq.stop_ids])[0].token_id, None
+        q = distribution(adjust(raw.float(), [p], seen, outputs, [seq.stop_ids]), [p])[0]
+        return int(torch.multinomial(q, 1, generator=seq.rng)), q
+
+    def forget(self, seq) -> None:
+        """seq is done: its draft blocks go back."""
+        held = self._caches.pop(seq, None)
+        if held is not None:
+            held[0].reset()
+
+    @property
+    def sequences(self) -> int:
+        return len(self._caches)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

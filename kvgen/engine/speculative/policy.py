@@ -1,0 +1,46 @@
+"""How many tokens to draft: per sequence, from its recent acceptance (the seeds' WithAdaptive:
+raise k above 0.8, lower it below 0.4, stop drafting when it stays low), and per step, from the
+batch size: a decode step of a small batch is bound by reading the weights, so k+1 query rows
+cost about one; a large batch is bound by compute, and every rejected row is lost work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RAISE_ABOVE = 0.8
+LOWER_BELOW = 0.4
+GIVE_UP_AFTER = 4  # checks in a row below LOWER_BELOW at the smallest k: plain decode from then on
+SMOOTHING = 0.5  # weight of the latest check in the running acceptance rate
+
+
+@dataclass(slots=True)
+class DraftLength:
+    k: int = 4
+    k_max: int = 8
+    rate: float | None = None  # running acceptance rate (exponential average)
+    low: int = 0  # consecutive checks below LOWER_BELOW at k == 1
+    off: bool = False  # fell back to plain decoding for good
+
+    def record(self, drafted: int, accepted: int) -> None:
+        """One verification: `accepted` of `drafted` tokens were kept."""
+        if drafted < 1 or self.off:
+            return
+        now = accepted / drafted
+        self.rate = now if self.rate is None else SMOOTHING * now + (1 - SMOOTHING) * self.rate
+        if self.rate > RAISE_ABOVE:
+            self.k, self.low = min(self.k + 1, self.k_max), 0
+        elif self.rate < LOWER_BELOW:
+            if self.k == 1:
+                self.low += 1
+                self.off = self.low >= GIVE_UP_AFTER
+            self.k = max(1, self.k - 1)
+        else:
+            self.low = 0
+
+
+def draft_cap(running: int, k_max: int, max_batch: int) -> int:
+    """The most tokens any one sequence may draft this step, with `running` sequences decoding:
+    k_max alone, shrinking as the batch grows, none above max_batch."""
+    if running > max_batch:
+        return 0
+    return max(1, k_max // max(1, running)) if running > 1 else k_max

@@ -1,0 +1,35 @@
+"""Each sequence's draft length follows its acceptance with the seeds' thresholds, and the batch
+size caps it."""
+
+from kvgen.engine.speculative import DraftLength, draft_cap
+
+
+def test_raises_above_0_8_lowers_below_0_4_holds_between():
+    d = DraftLength(k=4, k_max=6)
+    d.record(4, 4)
+    assert d.k == 5
+    d.record(5, 5)
+    d.record(6, 6)
+    assert d.k == 6  # capped at k_max
+    d.record(6, 0)  # running rate 0.5: between the thresholds
+    assert d.k == 6
+    d.record(6, 0)  # 0.25
+    assert d.k == 5
+
+
+def test_falls_back_to_plain_decoding_when_acceptance_stays_low():
+    d = DraftLength(k=2)
+    for _ in range(10):
+        if d.off:
+            break
+        d.record(d.k, 0)
+    assert d.off and d.k == 1
+    d.record(1, 1)  # ignored once off
+    assert d.off
+
+
+def test_a_large_batch_drafts_less_and_then_not_at_all():
+    assert draft_cap(1, 8, 8) == 8
+    assert draft_cap(2, 8, 8) == 4
+    assert draft_cap(8, 8, 8) == 1
+    assert draft_cap(9, 8, 8) == 0
