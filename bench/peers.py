@@ -203,6 +203,22 @@ def llamacpp_python() -> str:
     return os.path.join(LLAMACPP_VENV, "bin", "python")
 
 
+def run_llamacpp(worker: str, req: dict, timeout: int = 1800) -> dict | None:
+    """Run a bench/ worker script under the llama-cpp-python venv with req as JSON on stdin;
+    its last stdout line parsed as JSON. None, with the reason printed, when the venv is missing
+    (bench/setup_llamacpp.sh builds it) or the worker fails."""
+    py = llamacpp_python()
+    if not os.access(py, os.X_OK):
+        print(f"llama.cpp peer skipped: {py} missing (run bash bench/setup_llamacpp.sh)")
+        return None
+    p = subprocess.run([py, os.path.join(os.path.dirname(__file__), worker)], input=json.dumps(req),
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode != 0:
+        print(f"llama.cpp peer failed: {p.stderr[-2000:]}")
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
 def llamacpp_prefill_decode(prompt: list[int], new_tokens: int = 128, repeats: int = 3) -> dict | None:
     """llama.cpp's prefill/decode tokens/s via bench/llamacpp_worker.py (see its docstring).
 

@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,18 +77,9 @@ def streams(gen: Generator, n: int, new_tokens: int) -> float:
 
 
 def llamacpp(prompts: list[str], new_tokens: int, draft_tokens: int, eos_ids: list[int]) -> dict | None:
-    py = peers.llamacpp_python()
-    if not os.access(py, os.X_OK):
-        print(f"llama.cpp peer skipped: {py} missing (run bash bench/setup_llamacpp.sh)")
-        return None
-    req = {"model": peers.model_path(), "prompts": prompts, "new_tokens": new_tokens, "threads": peers.cores(),
-           "draft_tokens": draft_tokens, "banned": eos_ids}
-    proc = subprocess.run([py, str(Path(__file__).with_name("llamacpp_lookup.py"))], input=json.dumps(req),
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        print(f"llama.cpp peer failed: {proc.stderr[-2000:]}")
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return peers.run_llamacpp("llamacpp_lookup.py", {
+        "model": peers.model_path(), "prompts": prompts, "new_tokens": new_tokens, "threads": peers.cores(),
+        "draft_tokens": draft_tokens, "banned": eos_ids})
 
 
 def main() -> int:

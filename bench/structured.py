@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.peers import cores, cpu_name, llamacpp_python, model_path  # noqa: E402
+from bench.peers import cores, cpu_name, model_path, run_llamacpp  # noqa: E402
 from kvgen.engine.constraint import Constraint, Grammars  # noqa: E402
 from kvgen.engine.generator import Generator  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
@@ -83,18 +82,8 @@ def compile_times(gen: Generator) -> dict:
 
 
 def llamacpp() -> dict | None:
-    py = llamacpp_python()
-    if not os.access(py, os.X_OK):
-        print(f"llama.cpp peer skipped: {py} missing (run bash bench/setup_llamacpp.sh)")
-        return None
-    req = {"model": model_path(), "prompt": PROMPT, "schema": SCHEMA, "new_tokens": NEW_TOKENS, "repeats": 3,
-           "threads": cores()}
-    p = subprocess.run([py, str(Path(__file__).parent / "llamacpp_grammar.py")], input=json.dumps(req),
-                       capture_output=True, text=True, timeout=1800)
-    if p.returncode != 0:
-        print(f"llama.cpp peer failed: {p.stderr[-2000:]}")
-        return None
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    return run_llamacpp("llamacpp_grammar.py", {"model": model_path(), "prompt": PROMPT, "schema": SCHEMA,
+                                                "new_tokens": NEW_TOKENS, "repeats": 3, "threads": cores()})
 
 
 def main() -> None:

@@ -203,7 +203,10 @@ class Engine:
                             [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs],
                             outputs=[s.output_ids for s in seqs], stops=[s.stop_ids for s in seqs],
                             bitmask=bitmask, masked=masked)
-            for seq, s in zip(seqs, picked, strict=True):
+            for j, (seq, s) in enumerate(zip(seqs, picked, strict=True)):
+                if seq.forks and not seq.output_ids:  # its prompt is computed: the other samples start
+                    row = masked.index(j) if j in masked else None
+                    self._fork(seq, logits[ready[j]], None if row is None else bitmask[row])
                 self._emit(seq, [s])
         for i in drafted:
             seq = batch[i][0]
@@ -219,6 +222,35 @@ class Engine:
                 seq.finish(FinishReason.LENGTH)
             if seq.finished:
                 self._release(seq)
+
+    # n parallel samples
+
+    def _fork(self, first: Sequence, logits: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """The other samples of first's request take its prompt's KV (full blocks shared, the
+        last one copied) and their first tokens from the same logits; one with no room (pool or
+        running batch) waits and computes its prompt itself, mostly from the prefix cache."""
+        others = [f for f in first.forks if not (f.cancelled or f.finished)]
+        first.forks = []
+        forked = []
+        for f in others:
+            room = len(self.scheduler.running) < self.scheduler.max_running
+            if room and self.scheduler.kv.fork(first.cache, f.cache):
+                f.cached_tokens = first.cache.length  # the prompt was computed once, by `first`
+                f.admitted_at = first.admitted_at
+                self.scheduler.running.append(f)
+                forked.append(f)
+            else:
+                self.scheduler.add(f)
+        if not forked:
+            return
+        m = len(forked)
+        picked = sample(logits[None].repeat(m, 1), [f.params for f in forked], [f.rng for f in forked],
+                        [f.tokens if f.params.repetition_penalty != 1.0 else [] for f in forked],
+                        outputs=[[] for _ in forked], stops=[f.stop_ids for f in forked],
+                        bitmask=None if mask is None else mask[None].repeat(m, 1),
+                        masked=None if mask is None else list(range(m)))
+        for f, s in zip(forked, picked, strict=True):
+            self._emit(f, [s])
 
     # speculative decoding
 
@@ -286,6 +318,10 @@ class Engine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        for f in seq.forks:  # ended before its prompt was computed: so do the other samples
+            if not f.finished:
+                self._retire(f, seq.finish_reason or FinishReason.CANCELLED, error=None)
+        seq.forks = []
         if self.drafter is not None:
             self.drafter.forget(seq)
         self.scheduler.finish(seq)  # blocks back to the pool, or a session's parked

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Iterator
+from dataclasses import replace
 
 import torch
 
@@ -114,7 +115,8 @@ class Generator:
         prefix = None
         if opts.prefix_cache and not (window or opts.attention_chunk):
             prefix = PrefixCache(self.pool, self.tiers, tier_bytes=int(opts.prefix_cache_tier_mb * 2**20))
-        kv = KVManager(self.pool, self.tiers, warm_bytes=int(opts.kv_warm_mb * 2**20), prefix=prefix)
+        kv = KVManager(self.pool, self.tiers, warm_bytes=int(opts.kv_warm_mb * 2**20), prefix=prefix,
+                       shift_keys=model.shift_keys)
         self.scheduler = Scheduler(kv, opts.token_budget, opts.max_running)
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
                              cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting,
@@ -196,6 +198,14 @@ class Generator:
         await self.compile(sampling)
         return self.submit(ids, sampling, request_id, cache_salt=cache_salt)
 
+    async def requests(self, prompt: Prompt, sampling: SamplingParams | None = None,
+                       request_id: str = "", cache_salt: str = "") -> list[Request]:
+        """Submit a request for sampling.n samples of one prompt (not in a session): one Request
+        per sample, by index. The prompt is computed once; the other samples fork from its KV."""
+        ids = await self.prompt_ids(prompt)
+        await self.compile(sampling)
+        return self.submit_n(ids, sampling, request_id, cache_salt=cache_salt)
+
     async def compile(self, sampling: SamplingParams | None) -> None:
         """Compile the request's constraint, if any, off the event loop when it is not cached
         (raises InvalidRequest for one the grammar engine rejects)."""
@@ -203,11 +213,33 @@ class Generator:
         if c is not None and not self.grammars.cached(c):
             await asyncio.to_thread(self.grammars.matcher, c)
 
-    def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
-               session: Session | None = None, keep: int = 0, cache_salt: str = "") -> Request:
-        """Hand token ids to the engine; call on the event loop that will read the Request."""
+    def submit_n(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
+                 cache_salt: str = "") -> list[Request]:
+        """As submit, for sampling.n samples: sample i runs with seed + i (when seeded) and joins
+        the engine with the first one's KV once its prompt is computed (Engine._fork)."""
         params = sampling or SamplingParams()
         self.check(ids, params)
+        first = self.submit(ids, replace(params, n=1), request_id, cache_salt=cache_salt, _held=True)
+        reqs = [first]
+        for i in range(1, params.n):
+            seed = None if params.seed is None else (params.seed + i) % 2**64
+            reqs.append(self.submit(ids, replace(params, n=1, seed=seed), request_id, cache_salt=cache_salt,
+                                    _fork_of=first))
+        self.engine.submit(first.seq)
+        return reqs
+
+    def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
+               session: Session | None = None, keep: int = 0, cache_salt: str = "", *,
+               shift: tuple[int, int] | None = None, _held: bool = False,
+               _fork_of: Request | None = None) -> Request:
+        """Hand token ids to the engine; call on the event loop that will read the Request.
+        shift: a session turn's context shift (kept blocks, dropped blocks; KVManager.shift).
+        (_held / _fork_of: submit_n's, for samples that start together.)"""
+        params = sampling or SamplingParams()
+        self.check(ids, params)
+        if params.n != 1:
+            raise InvalidRequest([("sampling.n", "n > 1 takes Generator.requests / submit_n; a session "
+                                                 "turn has one continuation")])
         matcher = self.grammars.matcher(params.constraint) if params.constraint is not None else None
         if params.prompt_logprobs is not None:
             keep = 0  # every prompt position is computed again, for its logits
@@ -217,8 +249,13 @@ class Generator:
                        request_id or uuid.uuid4().hex, keep_kv=session is not None,
                        resume_from=keep if session else None, on_release=req.on_release, cache_salt=cache_salt,
                        matcher=matcher)
+        seq.shift = shift
         req.bind(seq, lambda: self.engine.cancel(seq))
-        self.engine.submit(seq)
+        if _fork_of is not None:
+            seq.index = len(_fork_of.seq.forks) + 1
+            _fork_of.seq.forks.append(seq)  # the engine sees it through the first sample
+        elif not _held:
+            self.engine.submit(seq)
         return req
 
     @staticmethod

@@ -226,6 +226,12 @@ class Model:
         return self
 
     @torch.inference_mode()
+    def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
+        """Cached keys [..., KVH, D] (rotated at their positions p) as if computed at p - delta:
+        RoPE rotations compose, so one more rotation by -delta (a context shift's re-rotation)."""
+        back = self.rot[delta].conj().to(k.device)[None, None]
+        return apply_rope(k.reshape(-1, *k.shape[-2:]), back).reshape(k.shape)
+
     def forward(self, input_ids: torch.Tensor, step: Step | KernelStep, fmt, store,
                 attention: TorchAttention | KernelAttention = TORCH_ATTENTION) -> torch.Tensor:
         """Logits [B, vocab] (fp32) of each sequence's last new token; writes K/V to the store.

@@ -18,6 +18,7 @@ import torch
 from kvgen.engine.constraint import Constraint
 
 MAX_LOGIT_BIAS = 1024  # entries: the bias is applied per row and per step
+MAX_N = 16  # parallel samples per request: each is a running sequence
 
 
 @dataclass(slots=True)
@@ -40,6 +41,7 @@ class SamplingParams:
     min_new_tokens: int = 0  # stop tokens are banned until this many were generated
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and top k
     speculative: bool | None = None  # draft and verify (None: the server's SPECULATIVE decides)
+    n: int = 1  # parallel samples of the prompt (computed once; the others fork from its KV)
 
     def validate(self) -> list[tuple[str, str]]:
         """(field, problem) for every invalid value. Limits on sizes keep one request's stop
@@ -74,6 +76,8 @@ class SamplingParams:
                 bad.append((name, "must be in [-2, 2]"))
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
             bad.append(("min_new_tokens", f"must be in [0, max_new_tokens ({self.max_new_tokens})]"))
+        if not 1 <= self.n <= MAX_N:
+            bad.append(("n", f"must be in [1, {MAX_N}]"))
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad.append(("prompt_logprobs", "must be in [0, 20]"))
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

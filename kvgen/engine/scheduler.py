@@ -76,6 +76,9 @@ class Scheduler:
         """Reserve the first chunk of a waiting sequence; a session's turn first takes back the
         prefix it shares with the session's cache."""
         if seq.resume_from is not None:
+            if seq.shift is not None:  # the session outgrew the context: drop its oldest blocks first
+                self.kv.shift(seq.cache, *seq.shift)
+                seq.shift = None
             seq.cached_tokens = self.kv.resume(seq.cache, seq.resume_from)
         elif not seq.keep_kv and seq.reuses_kv:  # a request of its own: the prefix cache may hold its start
             seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens), len(seq.prompt_ids))

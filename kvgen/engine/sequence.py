@@ -44,8 +44,10 @@ class Event:
     usage: Usage | None = None
     timings: dict | None = None
     error: Exception | None = None
+    index: int = 0  # which of a request's n samples (sampling.n)
 
     def add(self, ev: Event) -> None:
+        self.index = ev.index
         self.text += ev.text
         self.token_ids += ev.token_ids
         self.logprobs += ev.logprobs
@@ -113,6 +115,11 @@ class Sequence:
         # speculative decoding: this step's drafted tokens (fed after the last token, not yet
         # part of the output), their draft distributions [k, V] (None: greedy or prompt lookup),
         # this sequence's adaptive draft length, and what its verifications kept
+        # n parallel samples: this sequence's index among them, and (on the first, until its
+        # prompt is computed) the others, which fork from its KV then (Engine._fork)
+        self.index = 0
+        self.forks: list[Sequence] = []
+        self.shift: tuple[int, int] | None = None  # a session turn's context shift (KVManager.shift)
         self.draft: list[int] = []
         self.draft_q: torch.Tensor | None = None
         self.draft_length = DraftLength()
@@ -185,6 +192,7 @@ class Sequence:
             return self.finish(FinishReason.LENGTH, ev)
         keep = _stop_prefix_len(text, self.params.stop_strings, self.max_stop)
         ev.text, self.held = text[: len(text) - keep], text[len(text) - keep:]
+        ev.index = self.index
         self.emit(ev)
 
     def finish(self, reason: FinishReason, ev: Event | None = None, matched: str = "",
@@ -206,6 +214,7 @@ class Sequence:
             "time_to_first_token_ms": ((self.first_token_at or end) - self.arrival) * 1e3,
             "total_ms": (end - self.arrival) * 1e3,
         }
+        ev.index = self.index
         self.emit(ev)
 
 

@@ -31,6 +31,7 @@ class Session:
         self.messages: list[dict] = []
         self.last_used = time.monotonic()
         self.closed = False
+        self.head = 0  # tokens a context shift keeps at the start (a raw session's first prompt)
         self._turn = asyncio.Lock()
         self._last: Request | None = None  # the latest turn, until the next one takes its results in
         self._last_messages: list[dict] = []  # the conversation that turn answered (messages turns)
@@ -44,18 +45,54 @@ class Session:
                 await self._last.released()
                 self._take_in(self._last)
                 self._check_open()
+            room = self.gen.cfg.context_length - (sampling or SamplingParams()).max_new_tokens
+            shift = None
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
                 messages = [*self.messages, *prompt]
                 ids = await self.gen.prompt_ids(messages)
+                while len(ids) > room and _drop_oldest_turn(messages, len(prompt)):
+                    ids = await self.gen.prompt_ids(messages)  # the kept head's blocks are reused
             else:
                 messages = []
-                ids = self.history + await self.gen.prompt_ids(prompt)
+                new = await self.gen.prompt_ids(prompt)
+                if not self.history:
+                    self.head = len(new)  # a raw session's first prompt is its kept head (n_keep)
+                ids = self.history + new
+                if len(ids) > room:
+                    ids, shift = self._shift(ids, len(new), room)
             await self.gen.compile(sampling)
             self._check_open()
-            req = self.gen.submit(ids, sampling, request_id, session=self, keep=self._shared(ids))
+            keep = self._shared(ids) if shift is None else min(self.cache.length - shift[1] * self.block_size,
+                                                                len(ids) - 1)
+            req = self.gen.submit(ids, sampling, request_id, session=self, keep=keep, shift=shift)
             self._last, self._last_messages = req, messages
             self.last_used = time.monotonic()
             return req
+
+    @property
+    def block_size(self) -> int:
+        return self.gen.pool.block_size
+
+    def _shift(self, ids: list[int], new: int, room: int) -> tuple[list[int], tuple[int, int] | None]:
+        """Context shift of a token history: keep the head (the first prompt, at most a quarter
+        of the room, to a block boundary), drop the oldest whole blocks after it (at least what
+        is over, and half of what follows the head, so shifts are rare), keep the rest. Returns
+        the shortened ids and (kept blocks, dropped blocks) when the dropped blocks are all
+        cached, else None (the turn recomputes after the head). Too long a new prompt is left
+        as it is (check() refuses it)."""
+        bs = self.block_size
+        keep_blocks = -(-min(self.head, room // 4) // bs)
+        old = len(ids) - new  # history tokens: only they may be dropped
+        over = len(ids) - room
+        drop_blocks = -(-max(over, (old - keep_blocks * bs) // 2) // bs)
+        if (keep_blocks + drop_blocks) * bs > old:
+            drop_blocks = (old - keep_blocks * bs) // bs
+        if drop_blocks <= 0 or drop_blocks * bs < over:
+            return ids, None
+        cut = (keep_blocks + drop_blocks) * bs
+        shifted = ids[:keep_blocks * bs] + ids[cut:]
+        cached = self.cache.length >= cut
+        return shifted, (keep_blocks, drop_blocks) if cached else None
 
     def _shared(self, ids: list[int]) -> int:
         """Cached tokens the new prompt starts with (at least one token is left to compute logits)."""
@@ -99,3 +136,18 @@ class Session:
 
     def generate_stream(self, prompt: Prompt, sampling: SamplingParams | None = None):
         return self.gen.bridge.iterate(self.gen.events(self.request(prompt, sampling)))
+
+
+def _drop_oldest_turn(messages: list[dict], new: int) -> bool:
+    """Remove the oldest exchange after the leading system messages (a user message and the
+    replies up to the next user message), never one of the `new` messages of this turn.
+    False when nothing is left to drop."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") != "system"), len(messages))
+    last = len(messages) - new
+    if first >= last:
+        return False
+    end = first + 1
+    while end < last and messages[end].get("role") not in ("user", "system"):
+        end += 1
+    del messages[first:end]
+    return True

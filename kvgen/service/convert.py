@@ -96,7 +96,7 @@ def check_session_id(session_id: str) -> None:
 
 # SamplingParams' `optional` fields: unset keeps the engine's default
 _OPTIONAL = ("temperature", "top_k", "top_p", "repetition_penalty", "max_new_tokens", "seed", "logprobs", "min_p",
-             "presence_penalty", "frequency_penalty", "min_new_tokens", "prompt_logprobs", "speculative")
+             "presence_penalty", "frequency_penalty", "min_new_tokens", "prompt_logprobs", "speculative", "n")
 
 
 def sampling_of(req: pb.GenerateRequest) -> SamplingParams:
@@ -142,11 +142,23 @@ def stream_message(ev: Event, request_id: str, tok: TextTokenizer) -> pb.Generat
     return pb.GenerateStreamResponse(
         request_id=request_id, text=ev.text, token_ids=ev.token_ids, logprobs=_logprobs(ev.logprobs, tok),
         finish_reason=int(ev.finish_reason or 0), matched_stop=ev.matched_stop,
-        usage=_usage(ev.usage), timings=_timings(ev.timings), prompt_logprobs=_logprobs(ev.prompt_logprobs, tok))
+        usage=_usage(ev.usage), timings=_timings(ev.timings), prompt_logprobs=_logprobs(ev.prompt_logprobs, tok),
+        index=ev.index)
 
 
-def response(r: Event, request_id: str, tok: TextTokenizer) -> pb.GenerateResponse:
+def response(samples: list[Event], request_id: str, tok: TextTokenizer) -> pb.GenerateResponse:
+    """One request's reply: its only sample, or (n > 1) sample 0 with every sample in choices."""
+    out = _sample(samples[0], request_id, tok)
+    if len(samples) > 1:
+        out.choices.extend(_sample(r, request_id, tok) for r in samples)
+        used = [r.usage for r in samples if r.usage]
+        if used:
+            out.usage.completion_tokens = sum(u.completion_tokens for u in used)
+    return out
+
+
+def _sample(r: Event, request_id: str, tok: TextTokenizer) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         request_id=request_id, text=r.text, token_ids=r.token_ids, finish_reason=int(r.finish_reason or 0),
         matched_stop=r.matched_stop, usage=_usage(r.usage), logprobs=_logprobs(r.logprobs, tok),
-        timings=_timings(r.timings), prompt_logprobs=_logprobs(r.prompt_logprobs, tok))
+        timings=_timings(r.timings), prompt_logprobs=_logprobs(r.prompt_logprobs, tok), index=r.index)

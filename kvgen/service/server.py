@@ -77,7 +77,8 @@ class Server:
         self.port = self.grpc.add_secure_port(address, creds) if creds else self.grpc.add_insecure_port(address)
         self.tls = creds is not None
         # the OpenAI-compatible API on its own port, over the same engine, keys, metrics and traces
-        self.http = HttpApi(settings, self.tracing, self.metrics) if settings.http_port else None
+        self.http = (HttpApi(settings, self.tracing, self.metrics, owners=self.servicer.owners)
+                     if settings.http_port else None)  # one table of session owners for both APIs
         self.replica = self.load_report.replica = settings.replica_id or f"{socket.gethostname()}:{self.port}"
         self._watchdog: asyncio.Task | None = None
         self._stopped = asyncio.Event()

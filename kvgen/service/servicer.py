@@ -6,7 +6,7 @@ import asyncio
 import hashlib
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import aclosing, nullcontext
+from contextlib import ExitStack, aclosing, nullcontext
 
 from opentelemetry import trace
 
@@ -76,14 +76,18 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         convert.check_request(req, self.settings)  # the gate did it for a whole call; not for a batch entry
         prompt = convert.prompt_of(req, self.settings)
         if req.session_id:
+            if params.n != 1:
+                raise InvalidRequest([("sampling.n", "a session turn has one continuation: n must be 1")])
             session = self._session(gen, req.session_id, key)
-            request = await session.request(prompt, params, request_id)
+            requests = [await session.request(prompt, params, request_id)]
         else:
-            request = await gen.request(prompt, params, request_id, cache_salt=req.cache_salt)
-        with self.inflight.track(key, request_id, request):
-            async with aclosing(gen.events(_given(request))) as events:  # leaving early cancels the request
+            requests = await gen.requests(prompt, params, request_id, cache_salt=req.cache_salt)
+        with ExitStack() as tracked:
+            for r in requests:
+                tracked.enter_context(self.inflight.track(key, request_id, r))
+            async with aclosing(_merged(gen, requests)) as events:  # leaving early cancels every sample
                 async for ev in events:
-                    if ev.finish_reason is not None and self.inflight.was_aborted(request):
+                    if ev.finish_reason is not None and self.inflight.was_aborted(requests[ev.index]):
                         raise Cancelled(f"request {clip(request_id)!r} was ended by an Abort call")
                     yield ev
 
@@ -102,13 +106,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             await _abort(context, e)
         return convert.response(result, request_id, self.gen.tokenizer)
 
-    async def _collect(self, request, request_id, batched: bool = False, context=None) -> Event:
-        result = Event()
+    async def _collect(self, request, request_id, batched: bool = False, context=None) -> list[Event]:
+        """The request's samples (one unless sampling.n > 1), each its events added up, by index."""
+        results: dict[int, Event] = {}
         with self.tracing.request_span(batched) if self.tracing else _NO_SPAN:
             async with aclosing(self._events(request, request_id, context=context)) as events:
                 async for ev in events:
-                    result.add(ev)
-        return result
+                    results.setdefault(ev.index, Event()).add(ev)
+        return [results[i] for i in sorted(results)]
 
     async def GenerateStream(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -212,6 +217,44 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             live = set(self.gen.sessions)
             for sid in [s for s in self.owners if s not in live]:
                 self.owners.pop(sid, None)
+
+
+async def _merged(gen: Generator, requests: list[Request]) -> AsyncIterator[Event]:
+    """The samples' events as they come (each tagged by its index); leaving early, or one
+    sample failing, cancels them all."""
+    if len(requests) == 1:
+        async with aclosing(gen.events(_given(requests[0]))) as events:
+            async for ev in events:
+                yield ev
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(r: Request) -> None:
+        try:
+            async with aclosing(gen.events(_given(r))) as events:
+                async for ev in events:
+                    await queue.put(ev)
+        except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
+            await queue.put(e)
+        finally:
+            await queue.put(done)
+
+    pumps = [asyncio.create_task(pump(r)) for r in requests]
+    try:
+        left = len(pumps)
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 async def _given(request: Request) -> Request:

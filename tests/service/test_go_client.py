@@ -1,6 +1,7 @@
 """The Go client (clients/go) against a real server: `make -C clients/go test` installs Debian's
 Go toolchain and gRPC packages when missing, generates the stubs, vets and builds the client and
-its CLI, and runs `go test` on a tiny-model server; then the CLI streams from it."""
+its CLI, and runs `go test` on a tiny-model server (Generate, Stream, Batch, a session, cancellation and deadlines,
+BadRequest details, Abort and Load); then the CLI streams from it."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_go_client_suite(go_server):
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"go test failed ({p.returncode}):\n{out}"
     passed = re.findall(r"^--- PASS: (\w+)", out, re.M)
-    assert len(passed) >= 8 and not re.search(r"^--- (FAIL|SKIP)", out, re.M), out
+    assert len(passed) >= 11 and not re.search(r"^--- (FAIL|SKIP)", out, re.M), out
+    assert {"TestAbortEndsARunningStream", "TestLoadSeesARunningRequest"} <= set(passed), out
     # every cancelled or timed-out call gave its KV blocks back
     deadline = time.time() + 10
     while go_server.gen.scheduler.kv.used and time.time() < deadline:

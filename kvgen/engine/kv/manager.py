@@ -28,6 +28,8 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
@@ -45,7 +47,11 @@ class KVEvent:
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, tiers: TieredKV, warm_bytes: int, prefix: PrefixCache | None = None):
+    def __init__(self, pool: BlockPool, tiers: TieredKV, warm_bytes: int, prefix: PrefixCache | None = None,
+                 shift_keys=None):
+        """shift_keys(k, delta): keys re-rotated delta positions back (Model.shift_keys), for
+        context shifts of plain formats; None: a shift recomputes what follows the kept head."""
+        self.shift_keys = shift_keys
         self.pool = pool
         self.tiers = tiers
         self.prefix = prefix  # None: no sharing across requests (PREFIX_CACHE=0, or a window)
@@ -113,6 +119,36 @@ class KVManager:
         freed = table.truncate(n)
         if table.length != before:
             self._emit("kv.truncate", table, freed, tokens_before=before, tokens_after=table.length)
+
+    def fork(self, table: PagedKVCache, child: PagedKVCache) -> bool:
+        """Give the empty table `child` the same tokens' K/V as `table`: the full blocks shared
+        (reference counted, never written again: a sequence writes only past its length), the
+        partly filled last block copied now, since both tables will write into it (copy on
+        write, done at the fork). False (child left empty) when the pool has no block for the copy."""
+        bs = self.pool.block_size
+        full, fill = divmod(table.length, bs)
+        shared = table.blocks[:full]
+        if any(b < 0 for b in shared):  # dropped behind a window or demoted: nothing to share
+            return False
+        if fill and not self.reserve_blocks(1):
+            return False
+        self.pool.share(shared)
+        child.blocks = list(shared)
+        if fill:
+            copy = self.pool.alloc(1)[0]
+            fmt, store, last = self.pool.fmt, self.pool.store, table.blocks[full]
+            fmt.put_block(store, copy, fmt.take_block(store, last, fill), fill)
+            child.blocks.append(copy)
+        child.length = table.length
+        self._emit("kv.fork", child, list(child.blocks), tokens=child.length, copied=int(bool(fill)))
+        return True
+
+    def reserve_blocks(self, n: int) -> bool:
+        """At least n free blocks in the pool, evicting the prefix cache's idle blocks and
+        demoting idle sessions' if need be."""
+        if n > self.pool.available and self.prefix is not None:
+            self.prefix.evict(n)
+        return n <= self.pool.available or self._make_room(n)
 
     def share_prefix(self, table: PagedKVCache, salt: str, ids: list[int]) -> int:
         """Start an empty table with the cached blocks ids begin with. Returns the tokens reused."""
@@ -184,6 +220,43 @@ class KVManager:
         else:
             self._emit("kv.prefix_miss", table, None, tokens=0)
         return table.length
+
+    def shift(self, table: PagedKVCache, keep_blocks: int, drop_blocks: int) -> None:
+        """A session outgrew the context (llama.cpp's context shift): its blocks keep_blocks ..
+        keep_blocks + drop_blocks - 1 are freed and the blocks after them move up, their keys
+        re-rotated to the new positions (keys are stored rotated), so nothing is recomputed. A
+        quantized format (re-rotating would re-quantize) or blocks that cannot all come back to
+        the pool keep only the head: the rest is computed again."""
+        bs = self.pool.block_size
+        try:
+            self.tiers.truncate(table, table.length)  # every parked block back in the pool
+        except PoolExhausted:
+            self.tiers.reset(table)
+            return
+        before, blocks = table.length, table.blocks
+        end = keep_blocks + drop_blocks
+        if table.first or end * bs > table.length:
+            self.truncate(table, keep_blocks * bs)
+            return
+        table.blocks = blocks[:keep_blocks] + blocks[end:]
+        table.length -= drop_blocks * bs
+        self.pool.free(blocks[keep_blocks:end])
+        self._emit("kv.shift", table, blocks[keep_blocks:end], tokens_before=before, tokens_after=table.length)
+        moved, tokens = table.blocks[keep_blocks:], table.length - keep_blocks * bs
+        fmt = self.pool.fmt
+        if not moved:
+            return
+        if self.shift_keys is None or fmt.name not in ("fp32", "fp16", "bf16"):
+            self.truncate(table, keep_blocks * bs)
+            return
+        ids = torch.tensor(moved, device=self.pool.device)
+        where = ids.repeat_interleave(bs)[:tokens]
+        offsets = torch.arange(bs, device=ids.device).repeat(len(moved))[:tokens]
+        for layer in range(fmt.num_layers):
+            k, v = fmt.read(self.pool.store, layer, ids)  # [blocks, BS, KVH, HD]
+            k = self.shift_keys(k, drop_blocks * bs)
+            shape = (-1, *k.shape[-2:])
+            fmt.write(self.pool.store, layer, where, offsets, k.reshape(shape)[:tokens], v.reshape(shape)[:tokens])
 
     def unresume(self, table: PagedKVCache) -> None:
         """The turn could not be admitted after all: idle again, its blocks demotable."""

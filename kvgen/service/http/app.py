@@ -34,9 +34,13 @@ CLIENT_CLOSED = 499  # the status recorded for a call whose client went away (ng
 
 
 class HttpApi:
-    def __init__(self, settings: Settings, tracing: Tracing | None = None, metrics: Metrics | None = None):
+    def __init__(self, settings: Settings, tracing: Tracing | None = None, metrics: Metrics | None = None,
+                 owners: dict[str, str] | None = None):
+        """owners: the gRPC servicer's session owners, so that either API reaches the other's
+        sessions (without it, HTTP keeps its own: with API keys, a session is then only usable
+        through the API that opened it)."""
         self.settings = settings
-        self.routes = OpenAIRoutes(settings)
+        self.routes = OpenAIRoutes(settings, owners)
         self.tracing = tracing
         self.auth = AuthInterceptor(settings.api_key) if settings.api_key else None
         self.duration = None

@@ -17,6 +17,7 @@ from kvgen.engine.generator import Generator
 from kvgen.engine.request import Request
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.sequence import Event
+from kvgen.engine.session import Session
 from kvgen.service import convert
 from kvgen.service.config import Settings
 from kvgen.service.http.params import Call
@@ -58,6 +59,14 @@ async def submit(gen: Generator, call: Call, request_id: str, settings: Settings
             c.request.cancel()
         raise
     return choices
+
+
+async def submit_turn(session: Session, call: Call, request_id: str, settings: Settings) -> list[Choice]:
+    """The call as the next turn of session (one prompt, one choice), as a gRPC call in it runs:
+    messages join the conversation, a prompt or token ids continue its token history."""
+    req = call.requests[0]
+    r = await session.request(convert.prompt_of(req, settings), params_of(call), f"{request_id}-0")
+    return [Choice(0, 0, list(req.prompt_token_ids), r)]
 
 
 async def _share_prompt(gen: Generator, ids: list[int], params: SamplingParams, salt: str) -> None:

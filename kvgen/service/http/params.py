@@ -12,6 +12,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from kvgen.engine.constraint import KINDS
 from kvgen.errors import InvalidRequest
 from kvgen.service import convert
 from kvgen.service.config import Settings
@@ -24,13 +25,22 @@ INT32 = 2**31
 # OpenAI parameters this server does not implement: refused, never silently ignored. Each maps to
 # what a body may still carry without asking for the feature (clients send empty defaults).
 UNSUPPORTED = {"tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
-               "suffix": ("",), "audio": (), "prediction": (), "modalities": (["text"],)}
+               "suffix": ("",), "audio": (), "prediction": (), "modalities": (["text"],),
+               "guided_whitespace_pattern": ()}
 # Every text sampling parameter: (OpenAI name, SamplingParams field, type). top_k, min_p,
 # repetition_penalty, min_tokens, stop_token_ids and ignore_eos are vLLM's extensions.
 SAMPLING = (("temperature", "temperature", float), ("top_p", "top_p", float), ("top_k", "top_k", int),
             ("min_p", "min_p", float), ("repetition_penalty", "repetition_penalty", float),
             ("presence_penalty", "presence_penalty", float), ("frequency_penalty", "frequency_penalty", float),
             ("min_tokens", "min_new_tokens", int), ("ignore_eos", "ignore_eos", bool))
+# vLLM's structured-output fields, each one kind of SamplingParams constraint: guided_* (body
+# fields), and the keys of its newer `structured_outputs` object. At most one constraint per call,
+# response_format's included.
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "grammar",
+          "guided_choice": "choice"}
+STRUCTURED = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
+              "json_object": "json_object"}
+STRUCTURED_IGNORED = ("backend", "disable_fallback", "disable_any_whitespace")  # JSON here has no free blanks
 
 
 @dataclass
@@ -45,6 +55,17 @@ class Call:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
     logprobs: int | None = None  # alternatives per token to return; None: no logprobs at all
     echo: bool = False  # completions: the prompt's text before each choice's
+    constraint_param: str = ""  # the parameter that set the output constraint (errors name it)
+
+    def param(self, field: str) -> str:
+        """The OpenAI parameter a kvgen.v1 field came from."""
+        if self.constraint_param and field.removeprefix("sampling.").split(".")[0] in KINDS:
+            return self.constraint_param
+        return param_of(field)
+
+    def rename(self, e: InvalidRequest) -> InvalidRequest:
+        """e, its fields named as this call's parameters (a constraint's errors from compiling it)."""
+        return InvalidRequest([(self.param(f), d) for f, d in e.violations])
 
 
 class _Body:
@@ -83,7 +104,7 @@ def read_chat(body, settings: Settings) -> Call:
     b = _Body(body)
     messages = _messages(b)
     call = _call(b, chat=True)
-    sampling = _sampling(b, chat=True)
+    sampling = _sampling(b, call)
     if b.get("logprobs", bool, False):
         call.logprobs = b.get("top_logprobs", int, 0)
     elif b.get("top_logprobs", int) is not None:
@@ -96,7 +117,7 @@ def read_completion(body, settings: Settings) -> Call:
     b = _Body(body)
     prompts = _prompts(b)
     call = _call(b, chat=False)
-    sampling = _sampling(b, chat=False)
+    sampling = _sampling(b, call)
     call.logprobs = b.get("logprobs", int)
     call.echo = b.get("echo", bool, False)
     _set_logprobs(b, call, sampling, "logprobs")
@@ -135,8 +156,9 @@ def _set_logprobs(b: _Body, call: Call, sampling: pb.SamplingParams, name: str) 
     sampling.logprobs = max(call.logprobs, 1)
 
 
-def _sampling(b: _Body, chat: bool) -> pb.SamplingParams:
+def _sampling(b: _Body, call: Call) -> pb.SamplingParams:
     s = pb.SamplingParams()
+    chat = call.chat
     max_tokens = b.get("max_completion_tokens", int) if chat else None
     if max_tokens is None:
         max_tokens = b.get("max_tokens", int, None if chat else COMPLETIONS_MAX_TOKENS)
@@ -172,25 +194,53 @@ def _sampling(b: _Body, chat: bool) -> pb.SamplingParams:
             b.bad.append(("logit_bias", "maps token ids (as strings) to numbers in [-100, 100]"))
             break
         s.logit_bias[token] = float(bias)
-    _constrain(b, s)
+    _constrain(b, s, call)
     return s
 
 
-def _constrain(b: _Body, s: pb.SamplingParams) -> None:
-    """response_format: json_object or json_schema (its `schema`); text is no constraint."""
+def _constrain(b: _Body, s: pb.SamplingParams, call: Call) -> None:
+    """The output constraint: response_format, a guided_* field or structured_outputs (one of them)."""
+    given = []  # (parameter, constraint kind, value)
     rf = b.get("response_format", dict)
-    if not rf or rf.get("type") == "text":
-        return
-    if rf.get("type") == "json_object":
-        s.json_object = True
-    elif rf.get("type") == "json_schema":
+    if rf and rf.get("type") == "json_object":
+        given.append(("response_format", "json_object", True))
+    elif rf and rf.get("type") == "json_schema":
         schema = (rf.get("json_schema") or {}).get("schema") if isinstance(rf.get("json_schema"), dict) else None
         if not isinstance(schema, dict):
             b.bad.append(("response_format", "json_schema needs json_schema.schema, a JSON Schema object"))
         else:
-            s.json_schema = json.dumps(schema)
-    else:
+            given.append(("response_format", "json_schema", schema))
+    elif rf and rf.get("type") != "text":
         b.bad.append(("response_format", "type must be text, json_object or json_schema"))
+    given += [(name, kind, b.body[name]) for name, kind in GUIDED.items() if b.body.get(name) is not None]
+    for key, value in b.get("structured_outputs", dict, {}).items():
+        if key in STRUCTURED and value is not None and value is not False:
+            given.append((f"structured_outputs.{key}", STRUCTURED[key], value))
+        elif key not in STRUCTURED and key not in STRUCTURED_IGNORED and value not in (None, False):
+            b.bad.append((f"structured_outputs.{key}", "is not supported by this server"))
+    if len(given) > 1:
+        names = ", ".join(name for name, _, _ in given)
+        b.bad += [(name, f"at most one output constraint per request; got {names}") for name, _, _ in given[1:]]
+        return
+    for name, kind, value in given:
+        call.constraint_param = name
+        if kind == "json_object" and value is True:
+            s.json_object = True
+        elif kind == "json_schema" and (isinstance(value, dict) or value is True):
+            s.json_schema = json.dumps(value)
+        elif kind == "json_schema" and isinstance(value, str):
+            s.json_schema = value  # the schema's text: the engine parses and checks it
+        elif kind in ("regex", "grammar") and isinstance(value, str):
+            setattr(s, kind, value)
+        elif kind == "choice" and isinstance(value, list) and value and all(isinstance(x, str) for x in value):
+            s.choice.choices.extend(value)
+        else:
+            b.bad.append((name, _CONSTRAINT_KINDS[kind]))
+
+
+_CONSTRAINT_KINDS = {"json_schema": "must be a JSON Schema: an object, or its text", "regex": "must be a string",
+                     "grammar": "must be a string (a Lark grammar)", "json_object": "must be true",
+                     "choice": "must be a non-empty array of strings"}
 
 
 def _messages(b: _Body) -> list[pb.ChatMessage]:
@@ -252,7 +302,7 @@ def _finish(b: _Body, call: Call, prompts: list[dict], sampling: pb.SamplingPara
                 convert.check_request(req, settings)
             except InvalidRequest as e:
                 for f, d in e.violations:
-                    name = param_of(f)
+                    name = call.param(f)
                     bad.append((f"{name}[{i}]" if len(prompts) > 1 and name == "prompt" else name, d))
             call.requests.append(req)
     if bad:

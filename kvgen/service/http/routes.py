@@ -1,5 +1,6 @@
 """The OpenAI routes: POST /v1/chat/completions and /v1/completions (whole, or streamed as
-server-sent events ending with `data: [DONE]`), GET /v1/models.
+server-sent events ending with `data: [DONE]`), GET /v1/models; with an `x-session-id` header a
+completion runs as a turn of that session (sessions.py: POST and DELETE /v1/sessions).
 
 A call is read and checked (params.py), then all its choices are submitted before anything is
 sent, so a refusal (a bad value, a full queue) is a plain HTTP error. A stream that fails later
@@ -16,13 +17,14 @@ from opentelemetry import trace
 
 from kvgen.engine.generator import Generator
 from kvgen.engine.sequence import Event, Usage
-from kvgen.errors import Unavailable
+from kvgen.errors import InvalidRequest, Unavailable
 from kvgen.service import tracing
 from kvgen.service.config import Settings
 from kvgen.service.http import errors, fanout
 from kvgen.service.http.errors import HttpError
 from kvgen.service.http.params import Call, read_chat, read_completion
 from kvgen.service.http.render import Renderer
+from kvgen.service.http.sessions import SessionRoutes
 
 # Also names the served model, whatever it is: a client need not know the model's own name.
 MODEL_ALIAS = "kvgen"
@@ -30,15 +32,18 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 
 class OpenAIRoutes:
-    def __init__(self, settings: Settings):
+    def __init__(self, settings: Settings, owners: dict[str, str] | None = None):
+        """owners: session id -> the opener's key digest, shared with the gRPC servicer if given."""
         self.settings = settings
         self.gen: Generator | None = None  # set once the model is loaded
         self.draining = False
+        self.sessions = SessionRoutes(self, owners)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.models)
+        self.sessions.add_to(app)
 
     def ready(self) -> Generator:
         if self.draining:
@@ -65,10 +70,20 @@ class OpenAIRoutes:
         if call.model not in (gen.cfg.name, MODEL_ALIAS):
             raise HttpError(404, f"model {call.model!r} is not served here; GET /v1/models lists {gen.cfg.name!r} "
                                  f"(or say {MODEL_ALIAS!r})", code="model_not_found")
+        session = self.sessions.turn_of(request, gen)
+        if session is not None and (call.n != 1 or len(call.requests) != 1):
+            raise InvalidRequest([("n" if call.n != 1 else "prompt", "a session turn is one prompt with one choice")])
         request_id = uuid.uuid4().hex
         span = trace.get_current_span()
-        tracing.start_request(span, call.requests[0], fanout.params_of(call), gen.cfg.name, request_id, call.stream)
-        choices = await fanout.submit(gen, call, request_id, self.settings)
+        tracing.start_request(span, call.requests[0], fanout.params_of(call), gen.cfg.name, request_id, call.stream,
+                              session.session_id if session else "")
+        try:
+            if session is not None:
+                choices = await fanout.submit_turn(session, call, request_id, self.settings)
+            else:
+                choices = await fanout.submit(gen, call, request_id, self.settings)
+        except InvalidRequest as e:  # a constraint the grammar engine refused: named as the call named it
+            raise call.rename(e) from None
         out = Renderer(call, request_id, gen.cfg.name, gen.tokenizer, choices)
         if call.stream:
             return await self._stream(request, call, choices, out, span)

@@ -1,0 +1,81 @@
+"""Sessions that outgrow the context keep going (llama.cpp's context shift): a raw session drops
+its oldest whole blocks after the kept head and re-rotates the keys after them, reusing their KV;
+a chat session drops its oldest exchanges after the system prompt. The turn's output equals a
+fresh request over the same shortened tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgen.engine.generator import EngineOptions, Generator
+from kvgen.engine.model import Model
+from kvgen.engine.sampling import SamplingParams
+from kvgen.engine.tokenizer import TextTokenizer
+from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+TEXT = "the cat sat on a mat and then the dog ran to the cat while it sat on the mat again "
+
+
+def _model(context: int = 256):
+    tok = TextTokenizer(tiny_bpe_tokenizer(300), CHATML_TEMPLATE, bos_id=None, add_bos=False,
+                        special_ids={0, 1, 2}, eos_token="<|im_end|>")
+    cfg = tiny_config(vocab=300, layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, context=context)
+    return Model(cfg, tiny_weights(cfg, seed=23)), tok
+
+
+@pytest.mark.parametrize("kv", ["fp32", "q4"])
+def test_a_raw_session_shifts_and_matches_a_fresh_request(kv):
+    model, tok = _model()
+    gen = Generator(model, tok, EngineOptions(kv_dtype=kv, prefix_cache=False))
+    try:
+        s = gen.new_session()
+        first = s.generate("system: be brief. " * 2, GREEDY)
+        head = first.usage.prompt_tokens
+        lengths = []
+        for turn in range(12):
+            out = s.generate(f" turn {turn}: " + TEXT, GREEDY)  # never INVALID_ARGUMENT
+            assert len(out.token_ids) == 24
+            assert out.usage.prompt_tokens + 24 <= model.cfg.context_length
+            lengths.append(out.usage.prompt_tokens)
+        assert any(b < a for a, b in zip(lengths, lengths[1:], strict=False))  # it shifted
+        assert s.history[:head] == tok.encode("system: be brief. " * 2)  # the head survives every shift
+        # the last turn again from scratch, over the same (shifted) tokens: the same continuation
+        prompt = s.history[:-24]
+        fresh = gen.generate(prompt, GREEDY)
+        assert fresh.token_ids == s.history[-24:]
+        if kv == "fp32":  # re-rotated keys: the shifted history's KV was reused, not recomputed
+            assert out.usage.cached_tokens > 64
+    finally:
+        gen.close()
+
+
+def test_a_chat_session_drops_its_oldest_exchanges_and_keeps_the_system_prompt():
+    model, tok = _model()
+    gen = Generator(model, tok, EngineOptions())
+    try:
+        s = gen.new_session()
+        system = {"role": "system", "content": "You are terse."}
+        s.generate([system, {"role": "user", "content": TEXT}], GREEDY)
+        for turn in range(6):
+            out = s.generate([{"role": "user", "content": f"again {turn}: {TEXT}"}], GREEDY)
+            assert out.usage.prompt_tokens + 24 <= model.cfg.context_length
+        s.generate([{"role": "user", "content": "last"}], GREEDY)  # takes turn 5's reply in
+        assert s.messages[0] == system and len(s.messages) < 14
+        assert s.messages[-2]["content"].startswith("again 5")
+    finally:
+        gen.close()
+
+
+def test_a_new_prompt_longer_than_the_context_is_still_refused():
+    from kvgen.errors import InvalidRequest
+
+    model, tok = _model()
+    gen = Generator(model, tok, EngineOptions())
+    try:
+        s = gen.new_session()
+        s.generate("hello", GREEDY)
+        with pytest.raises(InvalidRequest, match="max_new_tokens"):
+            s.generate(TEXT * 20, GREEDY)
+    finally:
+        gen.close()
