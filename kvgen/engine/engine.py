@@ -63,6 +63,7 @@ class Engine:
         self.speculate = speculate
         self.draft_tokens = draft_tokens
         self.draft_max_batch = draft_max_batch
+        self.runner.keep_features = drafter is not None and drafter.wants_features
         self.drafted_tokens = self.accepted_tokens = 0  # totals, for benchmarks and GetModelInfo-style reports
 
     # called from any thread
@@ -211,6 +212,10 @@ class Engine:
         for i in drafted:
             seq = batch[i][0]
             self._verify(seq, starts[i], torch.cat([self.runner.draft_logits[seq], logits[i:i + 1]]))
+        if self.runner.keep_features:  # an EAGLE head drafts from the target's hidden states
+            for (seq, _), start in zip(batch, starts, strict=True):
+                if not seq.finished and self._speculates(seq):
+                    self.drafter.observe(seq, start, self.runner.features[seq][:seq.cache.length - start])
 
     def _emit(self, seq: Sequence, sampled: list) -> None:
         """Hand seq its new tokens in order, until one of them finishes it."""

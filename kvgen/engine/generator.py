@@ -35,7 +35,7 @@ from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Event, Sequence
 from kvgen.engine.session import Session
-from kvgen.engine.speculative import MODES, DraftModel, PromptLookup
+from kvgen.engine.speculative import MODES, DraftModel, Eagle, PromptLookup, load_head
 from kvgen.engine.threads import in_fresh_thread
 from kvgen.engine.tokenizer import TextTokenizer
 from kvgen.errors import InvalidRequest, Overloaded
@@ -80,6 +80,10 @@ def _make_drafter(model: Model, opts: EngineOptions, model_path: str, draft: Mod
     off (a request may ask for it); a draft model is loaded only when SPECULATIVE=draft."""
     if opts.speculative not in MODES:
         raise ValueError(f"SPECULATIVE={opts.speculative!r}: expected one of {', '.join(MODES)}")
+    if opts.speculative == "eagle":
+        if not opts.eagle_head:
+            raise ValueError("SPECULATIVE=eagle needs EAGLE_HEAD (a head's .safetensors)")
+        return Eagle(model, load_head(opts.eagle_head), opts.draft_kv_mb, opts.block_size)
     if opts.speculative != "draft":
         return PromptLookup()
     if draft is None:

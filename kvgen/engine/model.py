@@ -233,8 +233,11 @@ class Model:
         return apply_rope(k.reshape(-1, *k.shape[-2:]), back).reshape(k.shape)
 
     def forward(self, input_ids: torch.Tensor, step: Step | KernelStep, fmt, store,
-                attention: TorchAttention | KernelAttention = TORCH_ATTENTION) -> torch.Tensor:
+                attention: TorchAttention | KernelAttention = TORCH_ATTENTION, features: list | None = None
+                ) -> torch.Tensor:
         """Logits [B, vocab] (fp32) of each sequence's last new token; writes K/V to the store.
+        features: a list that gets the final-norm hidden state of every new token [T, hidden]
+        appended (what an EAGLE head drafts from).
 
         The one forward pass: prefill, decode and the CUDA-graph decode step are all this loop,
         with `attention` (attention.py) storing K/V and attending. It reads the host only
@@ -257,6 +260,10 @@ class Model:
             x = layer.ln2(h)
             gu = layer.gate_up(x)
             h += layer.down(F.silu(gu[:, :half]) * gu[:, half:])
+        if features is not None:
+            h = self.norm(h)
+            features.append(h)
+            return self.lm_head(h if step.logits_rows is None else h[step.logits_rows]).float()
         if step.logits_rows is not None:
             h = h[step.logits_rows]
         return self.lm_head(self.norm(h)).float()

@@ -109,6 +109,10 @@ class ModelRunner:
         self.seq_lens: torch.Tensor | None = None  # the last kernel step's lengths, advanced on the device
         self.prompt_logits: dict = {}  # the last step's, see run()
         self.draft_logits: dict = {}  # the last step's, see run()
+        # keep_features: every step returns its tokens' final hidden states (an EAGLE head drafts
+        # from them), through torch attention: the kernel path's graphs return logits only
+        self.keep_features = False
+        self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each
@@ -117,9 +121,10 @@ class ModelRunner:
         in self.prompt_logits (seq -> [m, vocab], predicting prompt tokens start+1 .. start+m);
         sequences with a draft (speculative decoding: the step feeds their last token and the
         drafted ones) get the logits of every position but the last in self.draft_logits."""
-        self.prompt_logits, self.draft_logits = {}, {}
+        self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
-        if self.kernel_attention is not None and all(n == 1 and not m for _, n, m in wanted):
+        if self.kernel_attention is not None and not self.keep_features and all(
+                n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)
         else:
             logits = self._forward(batch, wanted)
@@ -168,7 +173,15 @@ class ModelRunner:
         input_ids = torch.tensor(ids)
         if self.device.type != "cpu":
             step, input_ids = _to_device(step, self.device), input_ids.to(self.device)
-        return self.model.forward(input_ids, step, self.fmt, self.store)
+        if not self.keep_features:
+            return self.model.forward(input_ids, step, self.fmt, self.store)
+        out: list = []
+        logits = self.model.forward(input_ids, step, self.fmt, self.store, features=out)
+        at = 0
+        for seq, n, _ in wanted:
+            self.features[seq] = out[0][at:at + n]
+            at += n
+        return logits
 
     # ---- KernelAttention: decode-only steps, through CUDA graphs ----
 

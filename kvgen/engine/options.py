@@ -41,15 +41,17 @@ class EngineOptions:
     attention_chunk: int = setting(0, "chunked attention: each position sees only its own chunk of N (0: off)")
     constraint_cache: int = setting(64, "compiled output constraints (schemas, regexes, grammars) kept for reuse")
     mask_threads: int = setting(1, "threads that compute constrained requests' token masks during a step")
-    speculative: str = setting("off", "speculative decoding for requests that do not say: off, ngram (prompt lookup) "
-                                      "or draft (DRAFT_MODEL drafts); a request's own `speculative` field wins, "
-                                      "and with off it may still ask for prompt lookup")
+    speculative: str = setting("off", "speculative decoding for requests that do not say: off, ngram (prompt lookup), "
+                                      "draft (DRAFT_MODEL drafts) or eagle (EAGLE_HEAD drafts); a request's own "
+                                      "`speculative` field wins, and with off it may still ask for prompt lookup")
     speculative_tokens: int = setting(5, "the longest draft a sequence proposes per step (adapted per sequence)")
     speculative_max_batch: int = setting(8, "no drafting while more sequences than this are running (speculation "
                                             "pays at low load)")
     draft_model: str = setting("", "the drafting model for SPECULATIVE=draft: a GGUF file or HF folder with the "
                                    "target's vocabulary (empty: the served model itself)", shown="the served model")
     draft_weight_dtype: str = setting("int4", "the draft model's weight storage: fp32, bf16, int8 or int4")
-    draft_kv_mb: float = setting(128.0, "memory for the draft model's own KV block pool, MB")
+    draft_kv_mb: float = setting(128.0, "memory for the draft model's (or EAGLE head's) own KV block pool, MB")
+    eagle_head: str = setting("", "the EAGLE head of SPECULATIVE=eagle: a .safetensors file (or a folder with "
+                                  "model.safetensors) in EAGLE-1's layout, sized for the served model", shown="(none)")
     device: str = setting("cpu", "where the model and the KV pool live: cpu or cuda[:i]")
     cuda_graphs: bool = setting(True, "on CUDA, replay decode steps from CUDA graphs (false: the same step, eagerly)")

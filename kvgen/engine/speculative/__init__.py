@@ -5,16 +5,18 @@ agrees with, plus one token of the target's own.
 
 ngram.py        PromptLookup: propose what followed the sequence's last n-gram earlier in it
 draft_model.py  DraftModel: a cheaper model with the target's vocabulary decodes k tokens ahead
+eagle.py        Eagle: a one-layer head over the target's own hidden states drafts (EAGLE-1 layout)
 verify.py       accept(): greedy prefix match, or rejection sampling (lossless in distribution)
 policy.py       DraftLength: each sequence's adaptive k (the seeds' 0.8 / 0.4 thresholds) and
                 the batch-size cap (speculation pays at low load only)
 """
 
 from kvgen.engine.speculative.draft_model import DraftModel
+from kvgen.engine.speculative.eagle import Eagle, load_head
 from kvgen.engine.speculative.ngram import PromptLookup
 from kvgen.engine.speculative.policy import DraftLength, draft_cap
 from kvgen.engine.speculative.verify import accept
 
-MODES = ("off", "ngram", "draft")
+MODES = ("off", "ngram", "draft", "eagle")
 
-__all__ = ["MODES", "DraftLength", "DraftModel", "PromptLookup", "accept", "draft_cap"]
+__all__ = ["MODES", "DraftLength", "DraftModel", "Eagle", "PromptLookup", "accept", "draft_cap", "load_head"]

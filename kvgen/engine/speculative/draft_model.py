@@ -37,6 +37,8 @@ class DraftModel:
                                   width=min(self.pool.capacity, -(-cfg.context_length // block_size)))
         self._caches: dict[object, tuple[PagedKVCache, list[int]]] = {}  # seq -> (cache, tokens it holds)
 
+    wants_features = False  # the engine hands the target's hidden states only to drafters that ask
+
     def propose(self, wanted: list[tuple[object, int]]) -> dict[object, tuple[list[int], torch.Tensor | None]]:
         """For each (sequence, k): k drafted tokens and, for sampled requests, the distribution
         each was drawn from ([k, V]; None for greedy ones). All sequences decode together."""
@@ -63,7 +65,7 @@ class DraftModel:
                 n = n_new[id(row)]
                 row.cache.advance(n)
                 self._caches[seq][1].extend(row.tokens[row.cache.length - n:row.cache.length])
-                token, q = self._pick(raw[None], seq, row.tokens)
+                token, q = pick(raw[None], seq, row.tokens)
                 drafted.append(token)
                 qs.append(q)
                 row.tokens.append(token)
@@ -75,16 +77,6 @@ class DraftModel:
             live = still
         return out
 
-    def _pick(self, raw: torch.Tensor, seq, tokens: list[int]) -> tuple[int, torch.Tensor | None]:
-        """The draft's token under the request's own sampling (greedy: its argmax)."""
-        p = seq.params
-        seen = [tokens] if p.repetition_penalty != 1.0 else [[]]
-        outputs = [tokens[len(seq.prompt_ids):]]
-        if p.greedy:
-            return sample(raw, [p], [None], seen, outputs=outputs, stops=[seq.stop_ids])[0].token_id, None
-        q = distribution(adjust(raw.float(), [p], seen, outputs, [seq.stop_ids]), [p])[0]
-        return int(torch.multinomial(q, 1, generator=seq.rng)), q
-
     def forget(self, seq) -> None:
         """seq is done: its draft blocks go back."""
         held = self._caches.pop(seq, None)
@@ -94,6 +86,18 @@ class DraftModel:
     @property
     def sequences(self) -> int:
         return len(self._caches)
+
+
+def pick(raw: torch.Tensor, seq, tokens: list[int]) -> tuple[int, torch.Tensor | None]:
+    """A drafted token under the request's own sampling, from the draft's logits [1, V] (greedy:
+    its argmax, no distribution; else drawn from q with the request's generator, and q)."""
+    p = seq.params
+    seen = [tokens] if p.repetition_penalty != 1.0 else [[]]
+    outputs = [tokens[len(seq.prompt_ids):]]
+    if p.greedy:
+        return sample(raw, [p], [None], seen, outputs=outputs, stops=[seq.stop_ids])[0].token_id, None
+    q = distribution(adjust(raw.float(), [p], seen, outputs, [seq.stop_ids]), [p])[0]
+    return int(torch.multinomial(q, 1, generator=seq.rng)), q
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

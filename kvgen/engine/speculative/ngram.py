@@ -10,6 +10,8 @@ import numpy as np
 class PromptLookup:
     """Drafts from the sequence's own tokens; longer n-grams are tried first (fewer, better matches)."""
 
+    wants_features = False  # the engine hands the target's hidden states only to drafters that ask
+
     def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 

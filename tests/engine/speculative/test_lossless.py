@@ -12,6 +12,8 @@ import asyncio
 import random
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.loader import embedded_model_path
@@ -58,23 +60,51 @@ def _generate(gen: Generator, prompts, params, concurrent: int) -> list[list[int
     return out
 
 
+def eagle_head(cfg, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random head in EAGLE-1's layout for a model of config cfg (no trained one exists here)."""
+    g = torch.Generator().manual_seed(seed)
+    h, hd, ffn = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.05
+    p = "layers.0."
+    return {"fc.weight": w(h, 2 * h), p + "self_attn.q_proj.weight": w(cfg.num_heads * hd, h),
+            p + "self_attn.k_proj.weight": w(cfg.num_kv_heads * hd, h),
+            p + "self_attn.v_proj.weight": w(cfg.num_kv_heads * hd, h), p + "self_attn.o_proj.weight": w(h, h),
+            p + "mlp.gate_proj.weight": w(ffn, h), p + "mlp.up_proj.weight": w(ffn, h),
+            p + "mlp.down_proj.weight": w(h, ffn), p + "post_attention_layernorm.weight": torch.ones(h)}
+
+
+@pytest.fixture(scope="module")
+def head_file(small, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("eagle") / "head.safetensors"
+    save_file(eagle_head(small[0].cfg), str(path))
+    return str(path)
+
+
+def _spec_options(drafter: str, head_file: str, **kw) -> tuple[EngineOptions, str]:
+    mode = drafter.split("-")[0]
+    return EngineOptions(speculative=mode, eagle_head=head_file if mode == "eagle" else "", **kw), mode
+
+
 @pytest.mark.parametrize("concurrent", [1, 8])
-@pytest.mark.parametrize("drafter", ["ngram", "draft-agrees", "draft-random"])
-def test_greedy_equals_plain_decoding_small_model(small, drafter, concurrent):
+@pytest.mark.parametrize("drafter", ["ngram", "draft-agrees", "draft-random", "eagle-random"])
+def test_greedy_equals_plain_decoding_small_model(small, head_file, drafter, concurrent):
     prompts = _prompts(40)
     plain = Generator(*small, EngineOptions())
-    mode, draft = ("ngram", None) if drafter == "ngram" else ("draft", _draft_of(small[0], 5 if "random" in drafter
-                                                                                  else None))
-    spec = Generator(*small, EngineOptions(speculative=mode), draft_model=draft)
+    opts, mode = _spec_options(drafter, head_file)
+    draft = _draft_of(small[0], 5 if "random" in drafter else None) if mode == "draft" else None
+    spec = Generator(*small, opts, draft_model=draft)
     try:
         want = _generate(plain, prompts, GREEDY, concurrent)
         got = _generate(spec, prompts, GREEDY, concurrent)
         seqs_drafted = spec.engine.steps < plain.engine.steps
+        assert spec.engine.drafted_tokens > 0  # every drafter proposed, and was checked
     finally:
         plain.close()
         spec.close()
     assert got == want
-    if drafter != "draft-random":
+    if "random" not in drafter:
         assert seqs_drafted  # drafts were accepted: fewer steps for the same tokens
 
 
@@ -112,7 +142,8 @@ def _pair_counts(gen: Generator, prompt: str, params: list[SamplingParams]) -> d
     return counts
 
 
-def test_sampled_output_keeps_the_target_distribution_with_a_bad_draft(small):
+@pytest.mark.parametrize("drafter", ["draft-random", "eagle-random"])
+def test_sampled_output_keeps_the_target_distribution_with_a_bad_draft(small, head_file, drafter):
     """The 2nd and 3rd tokens (the first ones a draft decides on) of 1,200 seeded requests with
     a draft model that mostly disagrees, against 1,200 without speculation: a chi-square test of
     homogeneity over the (2nd, 3rd) pairs."""
@@ -120,8 +151,8 @@ def test_sampled_output_keeps_the_target_distribution_with_a_bad_draft(small):
     n = 1200
     params = [SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
     plain = Generator(*small, EngineOptions(speculative_max_batch=64))
-    spec = Generator(*small, EngineOptions(speculative="draft", speculative_max_batch=64, speculative_tokens=2),
-                     draft_model=_draft_of(small[0], 9))
+    opts, mode = _spec_options(drafter, head_file, speculative_max_batch=64, speculative_tokens=2)
+    spec = Generator(*small, opts, draft_model=_draft_of(small[0], 9) if mode == "draft" else None)
     try:
         a = _pair_counts(plain, prompt, params)
         b = _pair_counts(spec, prompt, [SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True,
@@ -143,11 +174,12 @@ def test_sampled_output_keeps_the_target_distribution_with_a_bad_draft(small):
     assert stat < limit, (stat, limit, dof)
 
 
-def test_no_block_is_left_behind(small):
+@pytest.mark.parametrize("drafter", ["draft-random", "eagle-random"])
+def test_no_block_is_left_behind(small, head_file, drafter):
     """Small pool (preemptions), drafts of every kind of acceptance, half the requests cancelled
     mid-flight: afterwards only the prefix cache holds blocks, and the draft pool none."""
-    gen = Generator(*small, EngineOptions(speculative="draft", kv_cache_mb=1.0, max_running=16,
-                                          speculative_max_batch=16), draft_model=_draft_of(small[0], 11))
+    opts, mode = _spec_options(drafter, head_file, kv_cache_mb=1.0, max_running=16, speculative_max_batch=16)
+    gen = Generator(*small, opts, draft_model=_draft_of(small[0], 11) if mode == "draft" else None)
     try:
         async def run():
             reqs = [await gen.request(p, SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i,
@@ -220,10 +252,20 @@ def test_a_request_may_opt_in_or_out(embedded):
         on_server.close()
 
 
-def test_bad_speculative_setting_is_refused(small):
+def test_bad_speculative_setting_is_refused(small, tmp_path):
     with pytest.raises(ValueError, match="SPECULATIVE"):
         Generator(*small, EngineOptions(speculative="eagle2"))
     other = Model(tiny_config(vocab=64, layers=1, hidden=64, heads=4, kv_heads=2, ffn=128),
                   tiny_weights(tiny_config(vocab=64, layers=1, hidden=64, heads=4, kv_heads=2, ffn=128)))
     with pytest.raises(ValueError, match="vocabulary"):
         Generator(*small, EngineOptions(speculative="draft"), draft_model=other)
+    with pytest.raises(ValueError, match="EAGLE_HEAD"):
+        Generator(*small, EngineOptions(speculative="eagle"))
+    wrong = tmp_path / "wrong.safetensors"
+    save_file(eagle_head(other.cfg), str(wrong))
+    with pytest.raises(ValueError, match="fc.weight"):
+        Generator(*small, EngineOptions(speculative="eagle", eagle_head=str(wrong)))
+    partial = tmp_path / "partial.safetensors"
+    save_file({k: v for k, v in eagle_head(small[0].cfg).items() if "down_proj" not in k}, str(partial))
+    with pytest.raises(ValueError, match="down_proj"):
+        Generator(*small, EngineOptions(speculative="eagle", eagle_head=str(partial)))

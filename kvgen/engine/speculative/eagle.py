@@ -1,0 +1,165 @@
+"""EAGLE drafting (Li et al. 2024): a light head drafts from the target's own features instead of
+a second model. The head is one decoder layer whose input at position j is
+fc([embed(token j+1); feature j]) (the target's final-norm hidden state at j), and whose output
+is its guess of the target's feature at j+1; the target's LM head turns that into logits. So it
+drafts token after token from its own guessed features, and checks cost the target nothing extra.
+
+Layout read (EAGLE-1's safetensors, as published with its heads): `fc.weight` [H, 2H] (and
+`fc.bias`), `layers.0.self_attn.{q,k,v,o}_proj.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`,
+`layers.0.post_attention_layernorm.weight` (its layer has no input norm); `embed_tokens` and the
+LM head are the target's. Shapes must match the target's config.
+
+The head keeps its own one-layer paged KV (a pool of its own). Only positions whose feature came
+from the target are kept there: a proposal feeds the target features it has not seen yet in one
+chunk, then drafts k tokens on guessed features, and drops those positions again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from kvgen.engine.attention import TORCH_ATTENTION, Step
+from kvgen.engine.kv.formats import make_format
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.model import Layer, Linear, Model, apply_rope
+from kvgen.engine.speculative.draft_model import PLAIN, pick
+from kvgen.errors import PoolExhausted
+
+PREFIX = "layers.0."
+
+
+def load_head(path: str) -> dict[str, torch.Tensor]:
+    """An EAGLE head's tensors from a .safetensors file or a folder holding model.safetensors."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "model.safetensors"
+    if not p.exists():
+        raise FileNotFoundError(f"EAGLE_HEAD: no {p}")
+    return load_file(str(p))
+
+
+class EagleHead:
+    """The head's one layer, over the target's embeddings, RoPE and LM head."""
+
+    def __init__(self, target: Model, weights: dict[str, torch.Tensor]):
+        cfg = target.cfg
+        hidden = cfg.hidden_size
+        fc = weights.get("fc.weight")
+        if fc is None or tuple(fc.shape) != (hidden, 2 * hidden):
+            raise ValueError(f"EAGLE head: fc.weight must be [{hidden}, {2 * hidden}] for this model; got "
+                             f"{None if fc is None else tuple(fc.shape)}")
+        w = {f"model.{k}": v.float() for k, v in weights.items() if k.startswith(PREFIX)}
+        w["model.layers.0.input_layernorm.weight"] = torch.ones(hidden)  # unused: the layer has no input norm
+        try:
+            self.layer = Layer(cfg, w, 0, "fp32", target.act_dtype)
+        except KeyError as e:
+            raise ValueError(f"EAGLE head: missing tensor {str(e)[len('model.') + 1:-1]}") from None
+        self.fc = Linear(fc.float(), weights.get("fc.bias"), "fp32")
+        self.target, self.cfg = target, cfg
+        if target.device.type != "cpu":
+            move = lambda t: t.to(target.device)  # noqa: E731
+            self.layer.to(move)
+            self.fc.to(move)
+
+    def forward(self, ids: torch.Tensor, feats: torch.Tensor, step: Step, fmt, store) -> torch.Tensor:
+        """Guessed next features [T, H] for tokens ids [T] at step.positions given the target's
+        (or guessed) features of the positions before them."""
+        cfg, t = self.cfg, self.target
+        x = self.fc(torch.cat([t.embed[ids], feats.to(t.act_dtype)], dim=-1))
+        T, nq, nkv = x.shape[0], cfg.num_heads, cfg.num_kv_heads
+        qkv = self.layer.qkv(x).view(T, -1, cfg.head_dim)
+        qk = apply_rope(qkv[:, :nq + nkv], t.rot[step.positions].unsqueeze(1))
+        a = TORCH_ATTENTION.write_and_attend(fmt, store, 0, qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:], step)
+        h = x + self.layer.o(a.reshape(T, nq * cfg.head_dim))
+        gu = self.layer.gate_up(self.layer.ln2(h))
+        half = cfg.intermediate_size
+        return h + self.layer.down(F.silu(gu[:, :half]) * gu[:, half:])
+
+
+class Eagle:
+    """The drafter: per sequence, the head's cache and the target features it has not read yet."""
+
+    wants_features = True
+
+    def __init__(self, target: Model, weights: dict[str, torch.Tensor], kv_mb: float = 32.0, block_size: int = 16):
+        self.head = EagleHead(target, weights)
+        cfg = target.cfg
+        self.fmt = make_format(PLAIN[target.act_dtype], 1, block_size, cfg.num_kv_heads, cfg.head_dim,
+                               compute_dtype=target.act_dtype)
+        self.pool = BlockPool.from_budget(self.fmt, kv_mb, target.device)
+        self._state: dict[object, tuple[PagedKVCache, dict[int, torch.Tensor]]] = {}  # seq -> (cache, features)
+
+    def observe(self, seq, start: int, features: torch.Tensor) -> None:
+        """The target's features of seq's positions start.. (those whose K/V it kept this step)."""
+        cache, feats = self._state.setdefault(seq, (PagedKVCache(self.pool), {}))
+        for i in range(features.shape[0]):
+            feats[start + i] = features[i]
+        if cache.length > start:  # a preemption or a rejected draft rewrote these positions
+            cache.truncate(start)
+
+    def propose(self, wanted: list[tuple[object, int]]) -> dict[object, tuple[list[int], torch.Tensor | None]]:
+        out = {}
+        for seq, k in wanted:
+            drafted = self._draft(seq, k)
+            if drafted is not None:
+                out[seq] = drafted
+        return out
+
+    def _draft(self, seq, k: int):
+        state = self._state.get(seq)
+        if state is None:
+            return None
+        cache, feats = state
+        tokens = seq.tokens
+        last = len(tokens) - 1  # the newest token: the target has not computed its feature yet
+        need = range(cache.length, last)
+        if not need or any(j not in feats for j in need):
+            return None
+        try:
+            cache.reserve(len(need) + k - 1)
+        except PoolExhausted:
+            self.forget(seq)
+            return None
+        dev = self.head.target.device
+        ids = torch.tensor(tokens[cache.length + 1:last + 1], device=dev)
+        f = torch.stack([feats.pop(j) for j in need])
+        drafted, qs = [], []
+        pos = cache.length
+        while True:
+            n = ids.shape[0]
+            guess = self._run(cache, pos, ids, f)
+            logits = self.head.target.lm_head(guess[-1:]).float().cpu()
+            token, q = pick(logits, seq, tokens + drafted)
+            drafted.append(token)
+            qs.append(q)
+            pos += n
+            if len(drafted) == k:
+                break
+            ids, f = torch.tensor([token], device=dev), guess[-1:]
+        cache.truncate(last)  # guessed features' positions go: the target's own come next time
+        return drafted, None if qs[0] is None else torch.stack(qs)
+
+    def _run(self, cache: PagedKVCache, start: int, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[0]
+        dev = ids.device
+        blocks, offsets = cache.slots(start, n)
+        step = Step(positions=torch.arange(start, start + n, device=dev), write_blocks=blocks.to(dev),
+                    write_offsets=offsets.to(dev), query_lens=[n], context_lens=[start + n],
+                    block_tables=torch.tensor([cache.blocks], device=dev), logits_rows=None, is_decode=n == 1)
+        out = self.head.forward(ids, feats, step, self.fmt, self.pool.store)
+        cache.advance(n)
+        return out
+
+    def forget(self, seq) -> None:
+        state = self._state.pop(seq, None)
+        if state is not None:
+            state[0].reset()
+
+    @property
+    def sequences(self) -> int:
+        return len(self._state)
