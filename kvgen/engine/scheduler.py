@@ -41,7 +41,7 @@ class Scheduler:
         """seq is done: out of the queues, and its blocks released (a session's parked)."""
         self.remove(seq)
         if seq.keep_kv:
-            self.kv.park(seq.cache)
+            self.kv.park(seq.cache, seq.cache_salt, seq.tokens)
         else:
             self.kv.release(seq.cache, seq.cache_salt, seq.tokens)
 
@@ -80,6 +80,9 @@ class Scheduler:
                 self.kv.shift(seq.cache, *seq.shift)
                 seq.shift = None
             seq.cached_tokens = self.kv.resume(seq.cache, seq.resume_from)
+            if not seq.cached_tokens and seq.reuses_kv:  # a new session: the prefix cache may hold its start
+                seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens),
+                                        len(seq.prompt_ids))
         elif not seq.keep_kv and seq.reuses_kv:  # a request of its own: the prefix cache may hold its start
             seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens), len(seq.prompt_ids))
         if self.kv.reserve(seq.cache, min(seq.pending, budget)):

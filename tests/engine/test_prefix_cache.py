@@ -78,3 +78,36 @@ def test_grpc_reports_cached_tokens_and_metrics(server, stub):
     values = {line.split()[0]: float(line.split()[1]) for line in page.splitlines() if line.startswith("kvgen_prefix")}
     assert values["kvgen_prefix_cache_hits_total"] >= 1 and values["kvgen_prefix_cache_hit_tokens_total"] >= 160
     assert values['kvgen_prefix_cache_blocks{where="pool"}'] > 0
+
+
+# ---- sessions are pinned prefixes in the same index ------------------------------------------
+
+
+def test_a_session_and_stateless_requests_share_prefixes_both_ways(make_gen):
+    on, off = make_gen(), make_gen(prefix_cache=False)
+    system = shared_prompt(on, 200)
+    # stateless first: a new session starting the same way reuses its blocks
+    on.generate(system + on.tokenize(" First question?"), GREEDY)
+    s = on.new_session()
+    turn = s.generate(system + on.tokenize(" Session question?"), GREEDY)
+    assert turn.usage.cached_tokens >= 192
+    # the session's conversation then serves a stateless request that resends it
+    history = s.history + on.tokenize(" And then?")
+    alone = on.generate(history, GREEDY)
+    assert alone.usage.cached_tokens >= len(s.history) // 16 * 16 - 16
+    assert alone.token_ids == off.generate(history, GREEDY).token_ids
+
+
+def test_a_chat_session_never_writes_into_a_block_the_cache_shares(make_gen):
+    """A chat turn re-renders the conversation, which can part from the cached tokens inside a
+    full block the prefix cache holds: the session writes into its own copy."""
+    on, off = make_gen(), make_gen(prefix_cache=False)
+    s = on.new_session()
+    first = [{"role": "system", "content": "You answer in one short sentence. " * 6},
+             {"role": "user", "content": "What is the capital of France?"}]
+    s.generate(first, GREEDY)
+    s.generate([{"role": "user", "content": "And of Spain?"}], GREEDY)
+    s.generate([{"role": "user", "content": "And of Italy?"}], GREEDY)
+    again = on.generate(first, GREEDY)  # served from blocks the session's turns shared
+    assert again.usage.cached_tokens > 0
+    assert again.token_ids == off.generate(first, GREEDY).token_ids

@@ -136,3 +136,22 @@ def test_random_traffic_keeps_references_exact_and_leaks_nothing(ops, seed):
         kv.release(table)
     kv.prefix.clear()
     assert kv.pool.used == 0 and kv.tiers.nbytes(Tier.WARM) == kv.tiers.nbytes(Tier.COLD) == 0
+
+
+def test_a_parked_session_is_indexed_and_copies_a_shared_block_before_writing_into_it():
+    kv = manager()
+    tokens = list(range(1, 13))  # three full blocks
+    session = written(kv, tokens)
+    kv.park(session, "", tokens)  # the turn is over: its full blocks join the index
+    other = kv.new_table()
+    assert kv.share_prefix(other, "", tokens + [99]) == 12  # a stateless request reuses them
+    before = read(kv, other)
+    shared = session.blocks[1]
+    assert kv.resume(session, 6) == 6  # the next turn parts from the history inside block 1
+    assert session.blocks[1] != shared and kv.pool.refs(session.blocks[1]) == 1  # its own copy
+    assert torch.equal(read(kv, session), before[:6])
+    x = torch.full((2, 1, 8), -5.0)  # the session writes its new tokens there
+    kv.pool.fmt.write(kv.pool.store, 0, torch.tensor([session.blocks[1]] * 2), torch.tensor([2, 3]), x, x)
+    kv.pool.fmt.write(kv.pool.store, 1, torch.tensor([session.blocks[1]] * 2), torch.tensor([2, 3]), x, x)
+    assert torch.equal(read(kv, other), before)  # what the index shares is untouched
+    assert holders(kv, [session, other]) == {b: kv.pool.refs(b) for b in holders(kv, [session, other])}

@@ -183,14 +183,16 @@ class KVManager:
 
     # sessions
 
-    def park(self, table: PagedKVCache) -> None:
+    def park(self, table: PagedKVCache, salt: str = "", tokens: list[int] | None = None) -> None:
         """A session's turn is over: its blocks stay for the next turn, and may be demoted to
-        the tiers while it is idle (least recently used session first). A closed session's table
-        (a turn that reached the engine after the close) is released instead: nobody would
-        ever resume or drop it again."""
+        the tiers while it is idle (least recently used session first). Its full blocks join the
+        prefix cache too (given its tokens), so a request that starts like the conversation
+        reuses them, as the session itself does. A closed session's table (a turn that reached
+        the engine after the close) is released instead: nobody would ever resume or drop it."""
         if table in self._dropped:
-            self.release(table)
+            self.release(table, salt, tokens)
             return
+        self._index(table, salt, tokens)
         self._parked.pop(table, None)
         self._parked[table] = None
         self.tiers.touch(table)
@@ -209,6 +211,7 @@ class KVManager:
             self.tiers.truncate(table, keep)
         except PoolExhausted:
             self.tiers.reset(table)
+        self._own_last_block(table)
         if table.length != old:
             now = set(_held(table))
             self._emit("kv.truncate", table, [b for b in held if b not in now], tokens_before=old,
@@ -249,6 +252,11 @@ class KVManager:
         if self.shift_keys is None or fmt.name not in ("fp32", "fp16", "bf16"):
             self.truncate(table, keep_blocks * bs)
             return
+        for i in range(keep_blocks, len(table.blocks)):  # re-rotated below: never in a shared block
+            if self.pool.refs(table.blocks[i]) > 1 and not self._copy_block(table, i, bs):
+                self.truncate(table, keep_blocks * bs)
+                return
+        moved = table.blocks[keep_blocks:]
         ids = torch.tensor(moved, device=self.pool.device)
         where = ids.repeat_interleave(bs)[:tokens]
         offsets = torch.arange(bs, device=ids.device).repeat(len(moved))[:tokens]
@@ -257,6 +265,28 @@ class KVManager:
             k = self.shift_keys(k, drop_blocks * bs)
             shape = (-1, *k.shape[-2:])
             fmt.write(self.pool.store, layer, where, offsets, k.reshape(shape)[:tokens], v.reshape(shape)[:tokens])
+
+    def _own_last_block(self, table: PagedKVCache) -> None:
+        """Copy on write: a table about to write into its partly kept last block must hold that
+        block alone (the prefix cache may share it, full, with other requests). With no block
+        for the copy, the partial block's tokens are dropped and computed again."""
+        bs = self.pool.block_size
+        full, fill = divmod(table.length, bs)
+        if fill and self.pool.refs(table.blocks[full]) > 1 and not self._copy_block(table, full, fill):
+            self.truncate(table, full * bs)
+
+    def _copy_block(self, table: PagedKVCache, index: int, fill: int) -> bool:
+        """Give table a private copy of its block `index` (first `fill` tokens); False: no room."""
+        if not self.reserve_blocks(1):
+            return False
+        old = table.blocks[index]
+        new = self.pool.alloc(1)[0]
+        fmt, store = self.pool.fmt, self.pool.store
+        fmt.put_block(store, new, fmt.take_block(store, old, fill), fill)
+        table.blocks[index] = new
+        self.pool.free([old])
+        self._emit("kv.copy", table, [new], source=old, tokens=fill)
+        return True
 
     def unresume(self, table: PagedKVCache) -> None:
         """The turn could not be admitted after all: idle again, its blocks demotable."""
