@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative clean
+.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
@@ -103,6 +103,13 @@ bench: $(STAMP) $(STUBS)
 	$(PY) bench/cpu.py
 	$(PY) bench/structured.py
 	$(PY) bench/speculative.py
+	bash bench/setup_llama_server.sh
+	$(PY) bench/serving.py
+
+# kvgen next to llama.cpp's own llama-server (built from the same sdist): bench/results/serving.md
+bench-serving: $(STAMP) $(STUBS)
+	bash bench/setup_llama_server.sh
+	$(PY) bench/serving.py
 
 bench-speculative: $(STAMP) $(STUBS)
 	bash bench/setup_llamacpp.sh

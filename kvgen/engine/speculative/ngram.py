@@ -12,7 +12,7 @@ class PromptLookup:
 
     wants_features = False  # the engine hands the target's hidden states only to drafters that ask
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 3):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, wanted: list[tuple[object, int]]) -> dict[object, tuple[list[int], None]]:

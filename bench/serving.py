@@ -1,0 +1,249 @@
+"""Serving next to llama.cpp's own server: kvgen (its OpenAI-compatible HTTP API, `make serve`
+with HTTP_PORT) and `llama-server` (built by bench/setup_llama_server.sh from the same
+llama.cpp that bench/cpu.py's peer uses), on the same Q4_1 GGUF, the same machine, one at a
+time, through the same client. Writes bench/results/serving.md.
+
+Workloads (greedy; EOS banned where a fixed length is measured):
+- streams N = 1, 4, 16: N concurrent /v1/completions of 64 tokens each; aggregate generated
+  tokens / wall time. llama-server runs 16 slots (continuous batching).
+- prefix TTFT: 16 requests, one after another, sharing a ~1,000-token system prompt, each with
+  its own question (after one warm-up request): mean time to the first streamed token.
+  llama-server reuses its prompt cache (cache_prompt); kvgen its prefix cache, and again with
+  PREFIX_CACHE=0.
+- chat: 8 stateless clients x 4 turns, concurrent, each turn resending the whole history plus a
+  new question (32 new tokens per turn): wall time.
+
+    make bench-serving   (or .venv/bin/python bench/serving.py [--skip-llama-server])
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import peers  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "serving.md"
+LLAMA_SERVER = ROOT / "bench" / ".cache" / "llama-server" / "llama-server"
+SLOTS = 16
+SYSTEM = ("You are the archivist of a coastal town. You answer questions about its lighthouse, its harbour, "
+          "its fishing fleet and the people who kept them, briefly and exactly. ") * 28
+QUESTIONS = [f"Question {i}: what happened in the year {1850 + 7 * i}?" for i in range(17)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """A server process answering the OpenAI API at `url` until stop()."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict | None, port: int):
+        self.name, self.url, self.model = name, f"http://127.0.0.1:{port}", ""
+        self.log = tempfile.TemporaryFile(mode="w+")  # a pipe would fill up and stall a chatty server
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    async def ready(self, timeout: float = 300) -> None:
+        end = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as s:
+            while time.monotonic() < end:
+                if self.proc.poll() is not None:
+                    self.log.seek(0)
+                    raise RuntimeError(f"{self.name} exited: {self.log.read()[-2000:]}")
+                try:
+                    async with s.get(self.url + "/v1/models") as r:
+                        if r.status == 200:
+                            self.model = (await r.json())["data"][0]["id"]  # kvgen asks for it
+                            return
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.5)
+        raise RuntimeError(f"{self.name} not ready after {timeout} s")
+
+    def stop(self) -> None:
+        self.log.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def kvgen(prefix_cache: bool) -> Served:
+    port = _free_port()
+    env = {**os.environ, "PORT": str(_free_port()), "HTTP_PORT": str(port), "METRICS_PORT": "0",
+           "PREFIX_CACHE": "1" if prefix_cache else "0", "MAX_RUNNING": str(SLOTS)}
+    return Served(f"kvgen{'' if prefix_cache else ' PREFIX_CACHE=0'}",
+                  [sys.executable, "-m", "kvgen.service.server"], env, port)
+
+
+def llama_server() -> Served:
+    port = _free_port()
+    cmd = [str(LLAMA_SERVER), "-m", peers.model_path(), "--port", str(port), "--host", "127.0.0.1",
+           "-np", str(SLOTS), "-c", str(SLOTS * 2048), "-t", str(peers.cores()), "--cont-batching"]
+    return Served("llama-server", cmd, None, port)
+
+
+def _session() -> aiohttp.ClientSession:
+    """A new connection per request, for both servers: llama-server's HTTP library closes a kept-alive
+    connection after a few requests, which a pooled client sees as a dropped request."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                 timeout=aiohttp.ClientTimeout(total=1800))
+
+
+async def complete(s: aiohttp.ClientSession, srv: Served, body: dict) -> tuple[float, float, int, str]:
+    """(seconds to the first streamed token, seconds in all, completion tokens, text)."""
+    t0 = time.perf_counter()
+    first, n, text = None, 0, ""
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    body = {**body, "model": srv.model, "stream": True, "stream_options": {"include_usage": True}}
+    async with s.post(srv.url + path, json=body) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{srv.name}: HTTP {r.status}: {(await r.text())[:500]}")
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for c in chunk.get("choices") or []:
+                piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
+                if piece:
+                    text += piece
+                    if first is None:
+                        first = time.perf_counter() - t0
+            if chunk.get("usage"):
+                n = chunk["usage"].get("completion_tokens", n)
+    return first or 0.0, time.perf_counter() - t0, n, text
+
+
+def _fixed(n: int) -> dict:
+    return {"max_tokens": n, "temperature": 0, "ignore_eos": True}
+
+
+async def streams(url: Served, n: int) -> float:
+    async with _session() as s:
+        await complete(s, url, {"prompt": "Warm-up:", **_fixed(4)})
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(complete(s, url, {"prompt": f"Story {i}: once upon a time,", **_fixed(64)})
+                                     for i in range(n)))
+        return sum(o[2] for o in out) / (time.perf_counter() - t0)
+
+
+async def prefix_ttft(url: Served) -> float:
+    async with _session() as s:
+        def body(q):
+            return {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
+                    **_fixed(8)}
+        await complete(s, url, body(QUESTIONS[-1]))  # warm-up: the system prompt is computed once
+        ttfts = [(await complete(s, url, body(q)))[0] for q in QUESTIONS[:16]]
+        return sum(ttfts) / len(ttfts)
+
+
+async def chat(url: Served, clients: int = 8, turns: int = 4) -> float:
+    async def client(s, c: int) -> None:
+        history = [{"role": "system", "content": "You are a helpful assistant. " * 4}]
+        for t in range(turns):
+            history.append({"role": "user", "content": f"Client {c}, turn {t}: tell me one more fact about the sea."})
+            _, _, _, text = await complete(s, url, {"messages": history, **_fixed(32)})
+            history.append({"role": "assistant", "content": text})
+    async with _session() as s:
+        await complete(s, url, {"prompt": "Warm-up:", **_fixed(4)})
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(s, c) for c in range(clients)))
+        return time.perf_counter() - t0
+
+
+async def measure(server: Served, workloads: list[str]) -> dict:
+    try:
+        await server.ready()
+        out = {}
+        if "streams" in workloads:
+            for n in (1, 4, 16):
+                out[f"streams {n}"] = await streams(server, n)
+                print(f"{server.name}: {n} streams {out[f'streams {n}']:.1f} tok/s", flush=True)
+        if "prefix" in workloads:
+            out["prefix ttft s"] = await prefix_ttft(server)
+            print(f"{server.name}: prefix TTFT {out['prefix ttft s']:.3f} s", flush=True)
+        if "chat" in workloads:
+            out["chat 8x4 s"] = await chat(server)
+            print(f"{server.name}: chat 8 clients x 4 turns {out['chat 8x4 s']:.1f} s", flush=True)
+        return out
+    finally:
+        server.stop()
+
+
+def render(results: dict[str, dict], seconds: float) -> str:
+    names = list(results)
+    base = "llama-server" if "llama-server" in results else names[0]
+    rows = [k for k in ("streams 1", "streams 4", "streams 16", "prefix ttft s", "chat 8x4 s")
+            if any(k in r for r in results.values())]
+    lines = [
+        "# Serving next to llama-server",
+        "",
+        f"Generated by `make bench-serving` (bench/serving.py) on {datetime.date.today().isoformat()}: "
+        f"{peers.cores()} cores ({peers.cpu_name()}), {seconds:.0f} s in all. The embedded SmolLM2-135M "
+        f"Q4_1 GGUF; kvgen with its defaults (fp32 weights) through its OpenAI-compatible HTTP API, "
+        f"MAX_RUNNING={SLOTS}; llama-server (same llama.cpp as llama-cpp-python's sdist) with {SLOTS} slots, "
+        "continuous batching, prompt cache; the same client for both. Streams: aggregate generated tok/s "
+        "(higher is better); prefix TTFT and chat wall time: seconds (lower is better). In parentheses: "
+        f"against {base}, >1 means better than it.",
+        "",
+        "| workload | " + " | ".join(names) + " |",
+        "| --- |" + " ---: |" * len(names),
+    ]
+    for k in rows:
+        cells = []
+        for n in names:
+            v, b = results[n].get(k), results[base].get(k)
+            if v is None:
+                cells.append("-")
+                continue
+            ratio = (v / b if k.startswith("streams") else b / v) if b else float("nan")
+            cells.append(f"{v:.2f} ({ratio:.2f}x)")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workloads", default="streams,prefix,chat")
+    ap.add_argument("--skip-llama-server", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    workloads = args.workloads.split(",")
+    t0 = time.perf_counter()
+    results: dict[str, dict] = {}
+    if not args.skip_llama_server:
+        if LLAMA_SERVER.exists():
+            results["llama-server"] = asyncio.run(measure(llama_server(), workloads))
+        else:
+            print(f"llama-server skipped: {LLAMA_SERVER} missing (bash bench/setup_llama_server.sh)")
+    results["kvgen"] = asyncio.run(measure(kvgen(True), workloads))
+    if "prefix" in workloads or "chat" in workloads:
+        results["kvgen PREFIX_CACHE=0"] = asyncio.run(measure(kvgen(False), [w for w in workloads
+                                                                             if w != "streams"]))
+    text = render(results, time.perf_counter() - t0)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
