@@ -71,7 +71,8 @@ def test_batch_session_and_info(tiny_kvgen):
     assert isinstance(batch[0], Completion) and isinstance(batch[1], InvalidArgument)
     assert batch[1].field_violations[0].field == "sampling.top_k"
     assert opened and closed and len(other) == 32
-    assert first.usage.cached_tokens == 0 < second.usage.cached_tokens < streamed[-1].usage.cached_tokens
+    # (a first turn may already reuse blocks other requests left in the prefix cache)
+    assert first.usage.cached_tokens < second.usage.cached_tokens < streamed[-1].usage.cached_tokens
     assert info.vocab_size == 300 and health == "SERVING" and load.replica == REPLICA
     assert aborted.unknown == ("none",)
 

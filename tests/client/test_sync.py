@@ -94,7 +94,8 @@ def test_a_session_keeps_its_conversation(client, tiny_kvgen):
         assert "client-chat-1" in tiny_kvgen.gen.sessions
         first = s.chat([{"role": "user", "content": "Hello there"}], **GREEDY)
         second = s.chat([{"role": "user", "content": "And then?"}], **GREEDY)
-        assert first.usage.cached_tokens == 0 and second.usage.cached_tokens > 0
+        # (a first turn may already reuse blocks other requests left in the prefix cache)
+        assert second.usage.cached_tokens > first.usage.cached_tokens
         streamed = list(s.stream(" more", **GREEDY))
         assert streamed[-1].usage.cached_tokens > second.usage.cached_tokens
     assert "client-chat-1" not in tiny_kvgen.gen.sessions

@@ -145,6 +145,9 @@ def test_interleaved_sessions_equal_sequential(engine):
     run = engine.bridge.run
     sequential = run(_sessions(engine, "sequential"))
     for name, turns in sequential.items():  # later turns reused the session's cache
-        assert [cached > 0 for _, cached in turns] == [False, True, True], (name, turns)
-    assert run(_sessions(engine, "alternating")) == sequential
-    assert run(_sessions(engine, "side_by_side")) == sequential
+        # (a first turn may reuse what the prefix cache holds: the other session's start)
+        assert [cached > 0 for _, cached in turns[1:]] == [True, True], (name, turns)
+    def tokens(runs):  # (what the prefix cache held differs from run to run: it outlives them)
+        return {name: [t for t, _ in turns] for name, turns in runs.items()}
+    assert tokens(run(_sessions(engine, "alternating"))) == tokens(sequential)
+    assert tokens(run(_sessions(engine, "side_by_side"))) == tokens(sequential)

@@ -224,39 +224,42 @@ class KVManager:
             self._emit("kv.prefix_miss", table, None, tokens=0)
         return table.length
 
-    def shift(self, table: PagedKVCache, keep_blocks: int, drop_blocks: int) -> None:
+    def shift(self, table: PagedKVCache, keep_blocks: int, drop_blocks: int) -> bool:
         """A session outgrew the context (llama.cpp's context shift): its blocks keep_blocks ..
         keep_blocks + drop_blocks - 1 are freed and the blocks after them move up, their keys
-        re-rotated to the new positions (keys are stored rotated), so nothing is recomputed. A
-        quantized format (re-rotating would re-quantize) or blocks that cannot all come back to
-        the pool keep only the head: the rest is computed again."""
-        bs = self.pool.block_size
+        re-rotated to the new positions (keys are stored rotated), so nothing is recomputed. With
+        a quantized format (re-rotating would re-quantize), blocks parked in the tiers, or blocks
+        the prefix cache shares, only the head is kept: the rest is computed again. Returns whether
+        the blocks after the dropped ones were kept (moved up)."""
+        parked = self._parked.pop(table, 0) is None  # never demoted to make room for its own copies
         try:
-            self.tiers.truncate(table, table.length)  # every parked block back in the pool
-        except PoolExhausted:
-            self.tiers.reset(table)
-            return
+            return self._shift(table, keep_blocks, drop_blocks)
+        finally:
+            if parked:
+                self._parked[table] = None
+
+    def _shift(self, table: PagedKVCache, keep_blocks: int, drop_blocks: int) -> bool:
+        bs = self.pool.block_size
+        if self.shift_keys is None or self.pool.fmt.name not in ("fp32", "fp16", "bf16") or table.first \
+                or self.tiers.parked(table) or (keep_blocks + drop_blocks) * bs > table.length \
+                or any(self.pool.refs(b) > 1 for b in table.blocks):
+            # A quantized format (re-rotating would re-quantize), blocks out in the tiers or shared
+            # with the prefix cache: keep the head only, the rest is computed again.
+            try:
+                self.tiers.truncate(table, keep_blocks * bs)  # parked blocks past it dropped, the rest back
+            except PoolExhausted:
+                self.tiers.reset(table)
+            return False
         before, blocks = table.length, table.blocks
         end = keep_blocks + drop_blocks
-        if table.first or end * bs > table.length:
-            self.truncate(table, keep_blocks * bs)
-            return
         table.blocks = blocks[:keep_blocks] + blocks[end:]
         table.length -= drop_blocks * bs
         self.pool.free(blocks[keep_blocks:end])
         self._emit("kv.shift", table, blocks[keep_blocks:end], tokens_before=before, tokens_after=table.length)
         moved, tokens = table.blocks[keep_blocks:], table.length - keep_blocks * bs
-        fmt = self.pool.fmt
         if not moved:
-            return
-        if self.shift_keys is None or fmt.name not in ("fp32", "fp16", "bf16"):
-            self.truncate(table, keep_blocks * bs)
-            return
-        for i in range(keep_blocks, len(table.blocks)):  # re-rotated below: never in a shared block
-            if self.pool.refs(table.blocks[i]) > 1 and not self._copy_block(table, i, bs):
-                self.truncate(table, keep_blocks * bs)
-                return
-        moved = table.blocks[keep_blocks:]
+            return True
+        fmt = self.pool.fmt
         ids = torch.tensor(moved, device=self.pool.device)
         where = ids.repeat_interleave(bs)[:tokens]
         offsets = torch.arange(bs, device=ids.device).repeat(len(moved))[:tokens]
@@ -265,6 +268,7 @@ class KVManager:
             k = self.shift_keys(k, drop_blocks * bs)
             shape = (-1, *k.shape[-2:])
             fmt.write(self.pool.store, layer, where, offsets, k.reshape(shape)[:tokens], v.reshape(shape)[:tokens])
+        return True
 
     def _own_last_block(self, table: PagedKVCache) -> None:
         """Copy on write: a table about to write into its partly kept last block must hold that
