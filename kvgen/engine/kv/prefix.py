@@ -88,7 +88,10 @@ class PrefixCache:
                 break
             if node.block == HOLE:
                 if not self.pool.available:
+                    node.used = next(self._tick)  # the newest: trimming the tiers takes older leaves
                     self.evict(1)  # blocks matched so far are shared already: never the victims
+                    if not node.holder.blocks:  # trimmed out of the tiers all the same: the match ends
+                        break
                 try:
                     self.tiers.promote(node.holder)
                 except PoolExhausted:
