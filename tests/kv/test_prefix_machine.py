@@ -107,13 +107,7 @@ class PrefixMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99), keep=st.integers(0, 40), extra=st.integers(1, 6))
     def resume(self, i, keep, extra):
         table, tokens, values = self.sessions.pop(i % len(self.sessions))
-        kept = self.kv.resume(table, min(keep, table.length))
-        more = tokens[:kept] + [70 + j for j in range(extra)]
-        vals = values[:kept]
-        if not self._write(table, more, vals, kept):
-            self.kv.drop(table)
-            return
-        self.running.append((table, more, vals))
+        self._next_turn(table, tokens, values, min(keep, table.length), [70 + j for j in range(extra)])
 
     @precondition(lambda self: self.sessions)
     @rule(i=st.integers(0, 99), keep=st.integers(0, 3), drop=st.integers(1, 4), extra=st.integers(1, 6))
@@ -124,9 +118,12 @@ class PrefixMachine(RuleBasedStateMachine):
             cut = slice(keep * BS, (keep + drop) * BS)
             del tokens[cut]
             del values[cut]
-        kept = self.kv.resume(table, table.length)
-        more = tokens[:kept] + [60 + j for j in range(extra)]
-        vals = values[:kept]
+        self._next_turn(table, tokens, values, table.length, [60 + j for j in range(extra)])
+
+    def _next_turn(self, table, tokens, values, keep: int, new: list[int]) -> None:
+        """Resume a parked session keeping `keep` tokens, then write the turn's new ones."""
+        kept = self.kv.resume(table, keep)
+        more, vals = tokens[:kept] + new, values[:kept]
         if not self._write(table, more, vals, kept):
             self.kv.drop(table)
             return
