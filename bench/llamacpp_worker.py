@@ -18,6 +18,8 @@ core count, n_ctx 2048, n_batch 512, verbose False):
   call). decode_tps = new_tokens / wall time of that loop: every timed step is one decode
   forward plus the per-token Python/ctypes overhead a llama-cpp-python user pays. Best of
   `repeats`. EOS is ignored, so exactly new_tokens steps run.
+- greedy (when the request has "greedy": [[ids], ...] and "greedy_tokens"): each prompt's greedy
+  continuation, the decode loop above without timing (for the fidelity column).
 - decode_tps_engine: the same steps counted by llama.cpp's own timer (llama_perf_context
   t_eval_ms / n_eval, i.e. the time inside llama_decode), for reference.
 """
@@ -109,6 +111,18 @@ def main() -> None:
         "decode_s": [round(r[0], 4) for r in runs],
         "first_tokens": runs[0][2][:16],
     }
+    if req.get("greedy"):  # fidelity: greedy continuations of token-id prompts, same loop as decode
+        n = int(req.get("greedy_tokens", 24))
+        outs = []
+        for ids in req["greedy"]:
+            llm.reset()
+            llm.eval([int(t) for t in ids])
+            out = [_argmax_last(llm, np, llama_cpp)]
+            while len(out) < n:
+                llm.eval([out[-1]])
+                out.append(_argmax_last(llm, np, llama_cpp))
+            outs.append(out)
+        result["greedy"] = outs
     print(json.dumps(result), flush=True)
 
 

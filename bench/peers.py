@@ -82,6 +82,20 @@ def cpu_name() -> str:
     return f"{name} ({', '.join(have) or 'no AVX2'})"
 
 
+CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+             "avx_vnni", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """The vector extensions this CPU has, of those the kernels' speed depends on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    return [f for f in CPU_FLAGS if f in flags]
+
+
 def cores() -> int:
     """CPU cores this process may run on."""
     try:
@@ -180,6 +194,13 @@ def transformers_prefill_decode(dtype: torch.dtype, prompt: list[int], new_token
     }
 
 
+def transformers_greedy(prompts: list[list[int]], new_tokens: int = 24) -> list[list[int]]:
+    """transformers fp32 on the GGUF (the oracle): each prompt's greedy continuation, EOS ignored."""
+    model = _model(torch.float32)
+    with torch.inference_mode():
+        return [_eos_free_generate(model, torch.tensor([p]), new_tokens)[0, len(p):].tolist() for p in prompts]
+
+
 def transformers_batched_decode(dtype: torch.dtype, batch: int, new_tokens: int = 64, repeats: int = 2) -> float:
     """Aggregate tokens/s (batch * new_tokens / wall time) of one batched greedy generate().
 
@@ -219,7 +240,8 @@ def run_llamacpp(worker: str, req: dict, timeout: int = 1800) -> dict | None:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def llamacpp_prefill_decode(prompt: list[int], new_tokens: int = 128, repeats: int = 3) -> dict | None:
+def llamacpp_prefill_decode(prompt: list[int], new_tokens: int = 128, repeats: int = 3,
+                            greedy: list[list[int]] | None = None, greedy_tokens: int = 24) -> dict | None:
     """llama.cpp's prefill/decode tokens/s via bench/llamacpp_worker.py (see its docstring).
 
     None, with the reason printed, when bench/setup_llamacpp.sh hasn't built the venv or the
@@ -237,6 +259,8 @@ def llamacpp_prefill_decode(prompt: list[int], new_tokens: int = 128, repeats: i
         "repeats": repeats,
         "threads": cores(),
         "n_ctx": 2048,
+        "greedy": greedy or [],
+        "greedy_tokens": greedy_tokens,
     }
     try:
         proc = subprocess.run(

@@ -9,6 +9,7 @@ Python callers without an event loop get the same thing through `generate`,
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 import time
@@ -40,12 +41,14 @@ from kvgen.engine.threads import in_fresh_thread
 from kvgen.engine.tokenizer import TextTokenizer
 from kvgen.errors import InvalidRequest, Overloaded
 
+log = logging.getLogger("kvgen.engine")
+
 # Prompts longer than this are tokenized off the event loop (a chat template and BPE over a
 # long text take milliseconds the loop's other clients would wait for).
 INLINE_TOKENIZE_CHARS = 2048
 
 
-def load_model(path: str, weight_dtype: str = "fp32", device: str = "cpu") -> tuple[Model, TextTokenizer]:
+def load_model(path: str, weight_dtype: str = "auto", device: str = "cpu") -> tuple[Model, TextTokenizer]:
     return in_fresh_thread(_load_model, path, weight_dtype, device)  # see threads.py
 
 
@@ -53,7 +56,10 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
     cfg, weights, src = loader.load(path)
     tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
                  else TextTokenizer.from_folder(src["folder"]))
-    return Model(cfg, weights, weight_dtype, device), tokenizer
+    model = Model(cfg, weights, weight_dtype, device, blocks=src.get("blocks"))
+    if weight_dtype != model.weight_dtype:
+        log.info("WEIGHT_DTYPE=%s chose %s on %s", weight_dtype, model.weight_dtype, device)
+    return model, tokenizer
 
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:

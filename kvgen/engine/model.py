@@ -10,10 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.engine.attention import TORCH_ATTENTION, KernelAttention, KernelStep, Step, TorchAttention
+from kvgen.engine.blocks import BlockLinear, Blocks
 from kvgen.engine.config import ModelConfig
 
-WEIGHT_DTYPES = ("fp32", "bf16", "int8", "int4")
-CUDA_WEIGHT_DTYPES = ("fp32", "bf16")  # int8 / int4 run torch's CPU-only packed kernels
+WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "gguf")
+CUDA_WEIGHT_DTYPES = ("auto", "fp32", "bf16")  # int8 / int4 / gguf run CPU-only kernels
 INT4_GROUP = 32  # GGUF Q4_0/Q4_1 group size: a Q4_1 file's weights fit this format nearly exactly
 SMALL_M = 4  # rows up to which the packed int8/int4 kernels (one GEMV per row) beat a bf16 matmul
 
@@ -144,21 +145,33 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def make_linear(w: dict, names: list[str], dtype: str, blocks: dict | None, bias=None, rows=None):
+    """One Linear over the named weights fused along the output rows (rows: per-name row
+    rearrangement). With dtype gguf, weights the file keeps in blocks stay in them (BlockLinear);
+    a fused weight whose parts are not all blocks of one kind runs fp32."""
+    rows = rows or [None] * len(names)
+    fix = [(lambda t: t) if r is None else r for r in rows]
+    if dtype == "gguf" and blocks and all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1:
+        return BlockLinear(Blocks.cat([blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]), bias)
+    weight = torch.cat([f(w[n]) for n, f in zip(names, fix, strict=True)])
+    return Linear(weight, bias, "fp32" if dtype == "gguf" else dtype)
+
+
 class Layer:
-    def __init__(self, cfg: ModelConfig, w: dict, i: int, dtype: str, act: torch.dtype):
+    def __init__(self, cfg: ModelConfig, w: dict, i: int, dtype: str, act: torch.dtype, blocks: dict | None = None):
         p = f"model.layers.{i}."
-        heads = {"q": cfg.num_heads, "k": cfg.num_kv_heads}
-        qkv = torch.cat([interleave(w[p + "self_attn.q_proj.weight"], heads["q"]),
-                         interleave(w[p + "self_attn.k_proj.weight"], heads["k"]), w[p + "self_attn.v_proj.weight"]])
+        qkv_rows = [lambda t: interleave(t, cfg.num_heads), lambda t: interleave(t, cfg.num_kv_heads), None]
         bias = None
         if cfg.qkv_bias:
-            bias = torch.cat([interleave(w[p + "self_attn.q_proj.bias"], heads["q"]),
-                              interleave(w[p + "self_attn.k_proj.bias"], heads["k"]),
+            bias = torch.cat([interleave(w[p + "self_attn.q_proj.bias"], cfg.num_heads),
+                              interleave(w[p + "self_attn.k_proj.bias"], cfg.num_kv_heads),
                               w[p + "self_attn.v_proj.bias"]]).to(act)
-        self.qkv = Linear(qkv, bias, dtype)
-        self.o = Linear(w[p + "self_attn.o_proj.weight"], None, dtype)
-        self.gate_up = Linear(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]), None, dtype)
-        self.down = Linear(w[p + "mlp.down_proj.weight"], None, dtype)
+        attn, mlp = p + "self_attn.", p + "mlp."
+        self.qkv = make_linear(w, [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"],
+                               dtype, blocks, bias, qkv_rows)
+        self.o = make_linear(w, [attn + "o_proj.weight"], dtype, blocks)
+        self.gate_up = make_linear(w, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], dtype, blocks)
+        self.down = make_linear(w, [mlp + "down_proj.weight"], dtype, blocks)
         self.ln1 = RMSNorm(w[p + "input_layernorm.weight"].to(act), cfg.rms_norm_eps)
         self.ln2 = RMSNorm(w[p + "post_attention_layernorm.weight"].to(act), cfg.rms_norm_eps)
 
@@ -175,26 +188,40 @@ def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
                          f"kernels); on {device.type} use one of {', '.join(CUDA_WEIGHT_DTYPES)}")
 
 
+def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: dict | None) -> str:
+    """auto: on the CPU, the GGUF's own blocks when the file has them (the bytes of a Q4 file,
+    the fidelity of fp32), else fp32; on CUDA, fp32 (the kernels' reference path)."""
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+    if weight_dtype == "auto":
+        return "gguf" if device.type == "cpu" and blocks else "fp32"
+    if weight_dtype == "gguf" and not blocks:
+        raise ValueError("weight dtype 'gguf' keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, and this "
+                         "model has none; use auto, fp32, bf16, int8 or int4")
+    return weight_dtype
+
+
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype: str = "fp32",
-                 device: str | torch.device = "cpu"):
-        if weight_dtype not in WEIGHT_DTYPES:
-            raise ValueError(f"weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+                 device: str | torch.device = "cpu", blocks: dict | None = None):
+        """blocks: a GGUF's quantized tensors (loader.load's source["blocks"]), for weight dtype
+        gguf (or auto on the CPU)."""
         device = torch.device(device)
+        weight_dtype = resolve_weight_dtype(weight_dtype, device, blocks)
         if device.type != "cpu":
             _check_device_dtype(weight_dtype, device)
         self.device = torch.device("cpu")
         self.cfg = cfg
         self.weight_dtype = weight_dtype
-        # Only fp32 weights run fp32 activations: bf16 matmuls hit AMX, and torch's packed
-        # int8/int4 CPU kernels are several times faster with bf16 inputs than fp32 ones.
-        self.act_dtype = torch.float32 if weight_dtype == "fp32" else torch.bfloat16
+        # fp32 and gguf weights run fp32 activations; the others bf16: bf16 matmuls hit AMX, and
+        # torch's packed int8/int4 CPU kernels are several times faster with bf16 inputs than fp32.
+        self.act_dtype = torch.float32 if weight_dtype in ("fp32", "gguf") else torch.bfloat16
         act = self.act_dtype
         self.embed = weights["model.embed_tokens.weight"].to(act)
-        self.layers = [Layer(cfg, weights, i, weight_dtype, act) for i in range(cfg.num_layers)]
+        self.layers = [Layer(cfg, weights, i, weight_dtype, act, blocks) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"].to(act), cfg.rms_norm_eps)
-        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        self.lm_head = Linear(head, None, weight_dtype)
+        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        self.lm_head = make_linear(weights, [head], weight_dtype, blocks)
         self.rot = rope_tables(cfg, cfg.context_length)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim

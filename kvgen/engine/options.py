@@ -15,7 +15,8 @@ def setting(default, doc: str, shown: str | None = None):
 
 @dataclass(slots=True)
 class EngineOptions:
-    weight_dtype: str = setting("fp32", "weight storage: fp32, bf16, int8 or int4")
+    weight_dtype: str = setting("auto", "weight storage: auto (on the CPU a GGUF's own Q4/Q8 blocks, else fp32), "
+                                        "gguf, fp32, bf16, int8 or int4")
     kv_dtype: str = setting("auto", "KV cache storage: auto (the activations' dtype), fp32, fp16, bf16, fp8, q4, q3")
     kv_cache_mb: float = setting(512.0, "memory for the KV block pool, MB")
     block_size: int = setting(16, "tokens per KV block")

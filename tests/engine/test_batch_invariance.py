@@ -1,4 +1,5 @@
-"""Batch composition never changes an output, under the default settings (fp32 weights, plain KV).
+"""Batch composition never changes an output with fp32 weights (WEIGHT_DTYPE=fp32, and auto on a
+model without GGUF blocks) and every other setting at its default.
 
 A seeded or greedy request gives the same tokens alone, submitted together with 8 other streams
 (their prefills share its steps), and joining a batch of 8 that are already decoding; the others
@@ -55,8 +56,8 @@ def small_model():
 @pytest.fixture(scope="module", params=["small", pytest.param("embedded", marks=pytest.mark.slow)])
 def engine(request):
     """An engine of its own with every default setting, over an fp32 model."""
-    assert EngineOptions().weight_dtype == "fp32"  # the default these tests speak for
     pair = small_model() if request.param == "small" else request.getfixturevalue("embedded")
+    assert pair[0].weight_dtype == "fp32"
     g = Generator(*pair, EngineOptions())
     yield g
     g.close()

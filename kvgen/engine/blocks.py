@@ -1,0 +1,123 @@
+"""Weights kept in the GGUF file's own quantization blocks (WEIGHT_DTYPE=gguf, auto's CPU choice).
+
+A Q4_1 file holds every weight as 4-bit codes with an fp16 scale and minimum per 32 inputs;
+dequantized, that is exactly the fp32 matrix transformers (the oracle) runs. `Blocks` keeps the
+codes as they are (rows can still be permuted and concatenated, which the model does to fuse
+q|k|v and gate|up), and `BlockLinear` multiplies fp32 activations by them with the Numba kernels
+in cpu_kernels.py: a decode step reads 5 bits a weight instead of 32, with fp32's fidelity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvgen.engine import cpu_kernels
+from kvgen.engine.cpu_kernels import TILE
+
+GROUP = 32
+# Types kept as blocks: (bytes per block, layout). Q4_0 is Q4_1 with m = -8 d.
+BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# Up to this many rows a call runs the block kernels (one row: the one-row kernel; more: the
+# several-rows one); above it, one fp32 copy of the weight (made on the first such call) and
+# torch's matmul, which blocks better once the multiply, not the weights' bytes, sets the pace.
+# Measured on a 2-core AVX2 EPYC, the layers of SmolLM2-135M: 1 row 8 ms (fp32 matmul 34),
+# 4 rows 22 (63), 16 rows 73 (64), 64 rows 282 (122).
+KERNEL_ROWS = 12
+
+
+@dataclass
+class Blocks:
+    """One weight [N, K] in blocks of 32 inputs: d, m [N, K/32] float32 (m None for Q8_0);
+    qs [N, K/32, 16] uint8 (Q4: byte j holds inputs j and j + 16) or [N, K/32, 32] int8 (Q8)."""
+
+    kind: str  # "q4" or "q8"
+    d: torch.Tensor
+    m: torch.Tensor | None
+    qs: torch.Tensor
+
+    @classmethod
+    def from_gguf(cls, type_name: str, raw: np.ndarray) -> Blocks:
+        """raw: the tensor's bytes, [N, K/32 * block bytes] (gguf.GGUFReader's tensor.data)."""
+        size = BLOCK_TYPES[type_name]
+        b = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)
+        d = torch.from_numpy(b[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+        if type_name == "Q8_0":
+            return cls("q8", d, None, torch.from_numpy(b[..., 2:].copy().view(np.int8)))
+        if type_name == "Q4_1":
+            m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+            return cls("q4", d, m, torch.from_numpy(b[..., 4:].copy()))
+        return cls("q4", d, -8 * d, torch.from_numpy(b[..., 2:].copy()))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.d.shape[0], self.d.shape[1] * GROUP
+
+    def map_rows(self, fn) -> Blocks:
+        """The same weight with its rows rearranged by fn (a function of a tensor's first dim)."""
+        return Blocks(self.kind, fn(self.d), None if self.m is None else fn(self.m), fn(self.qs))
+
+    @staticmethod
+    def cat(parts: list[Blocks]) -> Blocks:
+        kinds = {p.kind for p in parts}
+        if len(kinds) != 1:
+            raise ValueError(f"cannot fuse blocks of kinds {sorted(kinds)}")
+        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
+        return Blocks(parts[0].kind, torch.cat([p.d for p in parts]), m, torch.cat([p.qs for p in parts]))
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: what gguf.quants.dequantize gives for the same bytes."""
+        if self.kind == "q8":
+            w = self.qs.float() * self.d[..., None]
+        else:
+            q = torch.cat((self.qs & 15, self.qs >> 4), -1).float()  # [N, G, 32] in input order
+            w = q * self.d[..., None] + self.m[..., None]
+        return w.reshape(self.shape)
+
+
+class BlockLinear:
+    """y = x W^T (+ b) for W in blocks, fp32 activations."""
+
+    dtype = "gguf"
+
+    def __init__(self, blocks: Blocks, b: torch.Tensor | None):
+        self.kind, self.b = blocks.kind, b
+        self.out_features, self.in_features = blocks.shape
+        self._blocks: Blocks | None = blocks  # until the fp32 copy is made (dequantize)
+        self._fp32: torch.Tensor | None = None
+        pad = -self.out_features % TILE  # the kernels work in whole tiles of output rows
+        n = self.out_features + pad
+
+        def tiled(t: torch.Tensor) -> np.ndarray:  # [N, G, ...] -> [N/TILE, G, ..., TILE]
+            t = torch.cat((t, t.new_zeros((pad, *t.shape[1:])))) if pad else t
+            t = t.reshape(n // TILE, TILE, *t.shape[1:])
+            return np.ascontiguousarray(t.movedim(1, -1).numpy())
+
+        self.qs, self.d = tiled(blocks.qs), tiled(blocks.d)
+        self.m = tiled(blocks.m) if blocks.m is not None else None
+
+    def fp32(self) -> torch.Tensor:
+        """The weight as fp32 [N, K], for calls with many rows: made on the first and kept."""
+        if self._fp32 is None:
+            self._fp32 = self._blocks.dequantize().contiguous()
+            self._blocks = None
+        return self._fp32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > KERNEL_ROWS:
+            return torch.nn.functional.linear(x, self.fp32(), self.b)
+        x = x.float().contiguous()
+        xn = x.numpy()
+        y = np.empty((x.shape[0], self.d.shape[0] * TILE), np.float32)
+        one = x.shape[0] == 1
+        if self.kind == "q4":
+            xsum = xn.reshape(x.shape[0], -1, GROUP).sum(-1)
+            (cpu_kernels.q4_matmul if one else cpu_kernels.q4_matmul_rows)(xn, xsum, self.qs, self.d, self.m, y)
+        else:
+            (cpu_kernels.q8_matmul if one else cpu_kernels.q8_matmul_rows)(xn, self.qs, self.d, y)
+        out = torch.from_numpy(y)
+        if y.shape[1] != self.out_features:
+            out = out[:, :self.out_features]
+        return out if self.b is None else out + self.b
