@@ -153,8 +153,9 @@ def make_linear(w: dict, names: list[str], dtype: str, blocks: dict | None, bias
     fix = [(lambda t: t) if r is None else r for r in rows]
     if dtype == "gguf" and blocks and all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1:
         return BlockLinear(Blocks.cat([blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]), bias)
-    weight = torch.cat([f(w[n]) for n, f in zip(names, fix, strict=True)])
-    return Linear(weight, bias, "fp32" if dtype == "gguf" else dtype)
+    parts = [f(w[n]) for n, f in zip(names, fix, strict=True)]
+    weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: the tensor itself (tied embeddings
+    return Linear(weight, bias, "fp32" if dtype == "gguf" else dtype)  # stay one tensor, see Model.to)
 
 
 class Layer:

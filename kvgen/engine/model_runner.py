@@ -41,6 +41,7 @@ import torch
 
 from kvgen import gpu
 from kvgen.engine.attention import KernelAttention, KernelStep, Step
+from kvgen.engine.fused_decode import FusedDecode
 from kvgen.engine.model import Model
 from kvgen.gpu import ops as gpu_ops  # imports without CuPy; called only on a kernel step
 from kvgen.gpu.graphs import GraphRunner, buckets_for
@@ -88,10 +89,12 @@ class ModelRunner:
     width: block-table columns of a kernel step (the most blocks one sequence can hold;
         default: enough for the model's context).
     kernels: see pick_kernel_attention.
+    fused: run one-sequence decode steps through FusedDecode where it supports the model.
     """
 
     def __init__(self, model: Model, fmt, store: dict, *, window: int = 0, chunk: int = 0,
-                 cuda_graphs: bool = True, max_rows: int = 64, width: int | None = None, kernels=None):
+                 cuda_graphs: bool = True, max_rows: int = 64, width: int | None = None, kernels=None,
+                 fused: bool = True):
         self.model, self.fmt, self.store = model, fmt, store
         self.device = model.device
         self.window, self.chunk = window, chunk
@@ -112,6 +115,9 @@ class ModelRunner:
         # keep_features: every step returns its tokens' final hidden states (an EAGLE head drafts
         # from them), through torch attention: the kernel path's graphs return logits only
         self.keep_features = False
+        # one-sequence decode steps as one compiled call (fused_decode.py), where the model and
+        # format allow it; FUSED_DECODE=0 in tests compares it with the forward it replaces
+        self.fused = FusedDecode(model) if fused and not (window or chunk) and FusedDecode.supports(model, fmt) else None
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
 
     def run(self, batch: Batch) -> torch.Tensor:
@@ -123,7 +129,12 @@ class ModelRunner:
         drafted ones) get the logits of every position but the last in self.draft_logits."""
         self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
-        if self.kernel_attention is not None and not self.keep_features and all(
+        if self.fused is not None and len(wanted) == 1 and wanted[0][1] == 1 and not wanted[0][2] \
+                and not self.keep_features and not wanted[0][0].draft and wanted[0][0].cache.kv_start == 0:
+            seq = wanted[0][0]
+            pos = seq.cache.length
+            logits = self.fused(seq.tokens[pos], pos, seq.cache.blocks, self.store)
+        elif self.kernel_attention is not None and not self.keep_features and all(
                 n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)
         else:

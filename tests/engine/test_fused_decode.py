@@ -1,0 +1,90 @@
+"""FusedDecode (one-sequence decode steps as one Numba call) against Model.forward and transformers."""
+
+from __future__ import annotations
+
+import gguf
+import pytest
+import torch
+
+from kvgen.engine.attention import Step
+from kvgen.engine.fused_decode import FusedDecode
+from kvgen.engine.generator import EngineOptions, Generator, load_model
+from kvgen.engine.kv.formats import make_format
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.model_runner import ModelRunner
+from kvgen.engine.sampling import SamplingParams
+from tests.engine.test_loader import bpe, gguf_base  # noqa: F401  (fixtures)
+from tests.engine.test_oracle import RAW, hf_greedy
+from tests.tiny import write_gguf
+
+
+@pytest.fixture(scope="module")
+def q4_model(gguf_base, bpe):  # noqa: F811
+    d, cfg, weights, _, _ = gguf_base
+    path = d / "fused-Q4_1.gguf"
+    write_gguf(path, cfg, weights, bpe, qtype=gguf.GGMLQuantizationType.Q4_1)
+    return load_model(str(path))[0]
+
+
+def test_every_decode_step_equals_the_forward(q4_model):
+    """Prefill 5 tokens, then 40 decode steps across block boundaries (blocks of 16): the fused
+    step's logits and the K/V it writes equal Model.forward's over the same cache."""
+    m, cfg = q4_model, q4_model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert FusedDecode.supports(m, fmt)
+    fused = FusedDecode(m)
+    ids = torch.randint(3, cfg.vocab_size, (45,), generator=torch.Generator().manual_seed(5)).tolist()
+    pools = [BlockPool(fmt, 8) for _ in range(2)]
+    caches = [PagedKVCache(p) for p in pools]
+    for pool, cache in zip(pools, caches, strict=True):
+        cache.reserve(5)
+        b, o = cache.slots(0, 5)
+        step = Step(positions=torch.arange(5), write_blocks=b, write_offsets=o, query_lens=[5], context_lens=[5],
+                    block_tables=torch.tensor([cache.blocks]), logits_rows=None, is_decode=False)
+        m.forward(torch.tensor(ids[:5]), step, fmt, pool.store)
+        cache.advance(5)
+    for pos in range(5, 45):
+        for cache in caches:
+            cache.reserve(1)
+        cache = caches[0]
+        b, o = cache.slots(pos, 1)
+        step = Step(positions=torch.tensor([pos]), write_blocks=b, write_offsets=o, query_lens=[1],
+                    context_lens=[pos + 1], block_tables=torch.tensor([cache.blocks]), logits_rows=None,
+                    is_decode=True)
+        want = m.forward(torch.tensor([ids[pos]]), step, fmt, pools[0].store)
+        got = fused(ids[pos], pos, caches[1].blocks, pools[1].store)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        for c in caches:
+            c.advance(1)
+    used = caches[0].blocks
+    torch.testing.assert_close(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][used],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_runner_fuses_only_what_it_supports(q4_model):
+    m, cfg = q4_model, q4_model.cfg
+
+    def runner(kv="fp32", **kw):
+        fmt = make_format(kv, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+        return ModelRunner(m, fmt, BlockPool(fmt, 8).store, **kw)
+
+    assert runner().fused is not None
+    assert runner(fused=False).fused is None
+    assert runner(window=32).fused is None  # windows and chunks take the forward
+    assert runner("q4").fused is None and runner("bf16").fused is None
+
+
+def test_default_weights_decode_like_transformers(hf_model):
+    """The default (auto: the GGUF's blocks, one-sequence steps fused) on the embedded model:
+    greedy continuations equal transformers fp32 on the same GGUF, token for token."""
+    hf, _ = hf_model
+    gen = Generator.load(None, EngineOptions())
+    try:
+        assert gen.model.weight_dtype == "gguf" and gen.engine.runner.fused is not None
+        for prompt in RAW:
+            ids = gen.tokenize(prompt)
+            got = gen.generate(ids, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)).token_ids
+            assert got == hf_greedy(hf, ids, 32), prompt
+    finally:
+        gen.close()
