@@ -117,7 +117,8 @@ class ModelRunner:
         self.keep_features = False
         # one-sequence decode steps as one compiled call (fused_decode.py), where the model and
         # format allow it; FUSED_DECODE=0 in tests compares it with the forward it replaces
-        self.fused = FusedDecode(model) if fused and not (window or chunk) and FusedDecode.supports(model, fmt) else None
+        fusable = fused and not (window or chunk) and FusedDecode.supports(model, fmt)
+        self.fused = FusedDecode(model) if fusable else None
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
 
     def run(self, batch: Batch) -> torch.Tensor:
