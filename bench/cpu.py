@@ -145,7 +145,8 @@ def main() -> None:
     # slows the busy one (kvgen/engine/threads.py); close() ends the thread and its pool.
     said, streams = {}, {}
     for wd in WEIGHT_DTYPES:
-        g = Generator(*load_model(peers.model_path(), wd), EngineOptions(weight_dtype=wd))
+        # no prefix cache: prefill_decode repeats one prompt, which would then cost a lookup, not a prefill
+        g = Generator(*load_model(peers.model_path(), wd), EngineOptions(weight_dtype=wd, prefix_cache=False))
         rows.append(("kvgen", wd + (" (auto)" if wd == auto else ""), prefill_decode(g, prompt),
                      agreement(oracle, greedy_ids(g, fid))))
         said[wd] = answers(g)

@@ -148,7 +148,7 @@ def events_cost_per_step(gen: Generator, n: int = 20000) -> float:
         tiers = TieredKV(gen.pool)
         kv = KVManager(gen.pool, tiers, 0)
         table = kv.new_table()
-        seq = SimpleNamespace(seq_id=0, prompt_ids=[0], cache=table, keep_kv=False)
+        seq = SimpleNamespace(seq_id=0, prompt_ids=[0], cache=table, keep_kv=False, draft=[])
         recorder = KVRecorder(KVInfo.of(gen.pool.fmt))
         if traced:
             kv.listen(recorder.on_event)

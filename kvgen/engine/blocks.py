@@ -77,6 +77,20 @@ class Blocks:
         return w.reshape(self.shape)
 
 
+def compile_kernels() -> None:
+    """Compile (or load from Numba's on-disk cache) every block kernel once, on tiny arrays, so
+    that model loading pays for it and not the first request (tens of seconds on a fresh machine)."""
+    x = np.zeros((2, GROUP), np.float32)
+    xsum, y = np.zeros((2, 1), np.float32), np.zeros((2, TILE), np.float32)
+    d = np.zeros((1, 1, TILE), np.float32)
+    q4, q8 = np.zeros((1, 1, 16, TILE), np.uint8), np.zeros((1, 1, 32, TILE), np.int8)
+    for rows in (1, 2):
+        kernels = (cpu_kernels.q4_matmul, cpu_kernels.q8_matmul) if rows == 1 else \
+            (cpu_kernels.q4_matmul_rows, cpu_kernels.q8_matmul_rows)
+        kernels[0](x[:rows], xsum[:rows], q4, d, d, y[:rows])
+        kernels[1](x[:rows], q8, d, y[:rows])
+
+
 class BlockLinear:
     """y = x W^T (+ b) for W in blocks, fp32 activations."""
 

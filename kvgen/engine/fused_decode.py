@@ -1,13 +1,13 @@
-"""A one-sequence decode step as one Numba call, for gguf weights over a plain fp32 KV cache.
+"""A decode step of a few sequences as one Numba call, for gguf weights over a plain fp32 KV cache.
 
 At batch 1 on a small model, torch's per-op dispatch is a third of the step: Model.forward issues
 ~30 ops per layer (norms, RoPE, the cache write and read, attention, the activation, residuals)
 around its four matmuls, each a few microseconds of bookkeeping for a few hundred floats of work.
 This is the same layer loop (model.py is the reference it is tested against) with every op a
 loop in one compiled function, the matmuls being cpu_kernels' one-row kernels: the step costs the
-weights' bytes and little else. It runs the steps it can (model_runner decides): one sequence,
-one new token, fp32 keys and values, no window or chunk, no bias; every other step takes
-Model.forward.
+weights' bytes and little else. It runs the steps it can (model_runner decides): up to MAX_ROWS
+sequences of one new token each, fp32 keys and values, no window or chunk, no bias; every other
+step takes Model.forward.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import torch
 from numba import njit, prange
 
 from kvgen.engine import cpu_kernels
-from kvgen.engine.blocks import GROUP, BlockLinear
+from kvgen.engine.blocks import GROUP, KERNEL_ROWS, BlockLinear
+
+MAX_ROWS = KERNEL_ROWS  # past it Model.forward's fp32 matmuls are faster than the block kernels
 
 
 @njit(fastmath=True, cache=True)
@@ -34,11 +36,12 @@ def _rms_norm(h, w, eps, out):  # pragma: no cover - compiled
 
 @njit(fastmath=True, cache=True)
 def _block_sums(x, out):  # pragma: no cover - compiled
-    for g in range(out.shape[1]):
-        s = np.float32(0)
-        for j in range(32):
-            s += x[0, g * 32 + j]
-        out[0, g] = s
+    for r in range(x.shape[0]):
+        for g in range(out.shape[1]):
+            s = np.float32(0)
+            for j in range(32):
+                s += x[r, g * 32 + j]
+            out[r, g] = s
 
 
 @njit(fastmath=True, cache=True)
@@ -53,19 +56,21 @@ def _rope(x, head, cos, sin):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _attend(q, kv, layer, table, n_keys, block, heads, kv_heads, head_dim, out):  # pragma: no cover
-    """out[h] = softmax(q_h K^T / sqrt(D)) V over the sequence's n_keys cached positions."""
+def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  # pragma: no cover
+    """out[r, h] = softmax(q_rh K^T / sqrt(D)) V over row r's cached positions 0..positions[r]."""
     group = heads // kv_heads
+    block = kv.shape[3]
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    for h in prange(heads):
-        kh = h // group
+    for rh in prange(q.shape[0] * heads):
+        r, h = rh // heads, rh % heads
+        kh, n_keys, table = h // group, positions[r] + 1, tables[r]
         scores = np.empty(n_keys, np.float32)
         top = np.float32(-np.inf)
         for p in range(n_keys):
             b, o = table[p // block], p % block
             s = np.float32(0)
             for i in range(head_dim):
-                s += q[h * head_dim + i] * kv[b, layer, 0, o, kh, i]
+                s += q[r, h * head_dim + i] * kv[b, layer, 0, o, kh, i]
             s *= scale
             scores[p] = s
             top = max(top, s)
@@ -80,60 +85,79 @@ def _attend(q, kv, layer, table, n_keys, block, heads, kv_heads, head_dim, out):
             for i in range(head_dim):
                 acc[i] += wgt * kv[b, layer, 1, o, kh, i]
         for i in range(head_dim):
-            out[h * head_dim + i] = acc[i]
+            out[r, h * head_dim + i] = acc[i]
 
 
 @njit(fastmath=True, cache=True)
 def _q4(x, xsum, w, layer, y):  # pragma: no cover - compiled
+    """y = x W_layer^T: the one-row kernel for one row, the several-rows kernel for more (as
+    BlockLinear picks them, so a row computes the same here as in Model.forward)."""
     _block_sums(x, xsum)
-    cpu_kernels.q4_matmul(x, xsum, w[0][layer], w[1][layer], w[2][layer], y)
+    if x.shape[0] == 1:
+        cpu_kernels.q4_matmul(x, xsum, w[0][layer], w[1][layer], w[2][layer], y)
+    else:
+        cpu_kernels.q4_matmul_rows(x, xsum, w[0][layer], w[1][layer], w[2][layer], y)
 
 
 @njit(cache=True)
-def _step(token, pos, table, kv, embed, ln1, ln2, norm, qkv, o, gate_up, down, head, head_q4, cos, sin,
-          eps, heads, kv_heads, head_dim, inter, logits):  # pragma: no cover - compiled
-    hidden = embed.shape[1]
-    h = embed[token].copy()
-    x = np.empty((1, hidden), np.float32)
-    xs = np.empty((1, hidden // 32), np.float32)
-    qkv_out = np.empty((1, qkv[0].shape[1] * qkv[0].shape[-1]), np.float32)
-    att = np.empty((1, heads * head_dim), np.float32)
-    o_out = np.empty((1, o[0].shape[1] * o[0].shape[-1]), np.float32)
-    gu = np.empty((1, gate_up[0].shape[1] * gate_up[0].shape[-1]), np.float32)
-    act = np.empty((1, inter), np.float32)
-    act_s = np.empty((1, inter // 32), np.float32)
-    d_out = np.empty((1, down[0].shape[1] * down[0].shape[-1]), np.float32)
+def _step(tokens, positions, tables, kv, embed, ln1, ln2, norm, qkv, o, gate_up, down, head, head_q4,
+          cos, sin, eps, heads, kv_heads, head_dim, inter, logits):  # pragma: no cover - compiled
+    rows, hidden = tokens.shape[0], embed.shape[1]
+    h = np.empty((rows, hidden), np.float32)
+    for r in range(rows):
+        h[r] = embed[tokens[r]]
+    x = np.empty((rows, hidden), np.float32)
+    xs = np.empty((rows, hidden // 32), np.float32)
+    qkv_out = np.empty((rows, qkv[0].shape[1] * qkv[0].shape[-1]), np.float32)
+    att = np.empty((rows, heads * head_dim), np.float32)
+    att_s = np.empty((rows, heads * head_dim // 32), np.float32)
+    o_out = np.empty((rows, o[0].shape[1] * o[0].shape[-1]), np.float32)
+    gu = np.empty((rows, gate_up[0].shape[1] * gate_up[0].shape[-1]), np.float32)
+    act = np.empty((rows, inter), np.float32)
+    act_s = np.empty((rows, inter // 32), np.float32)
+    d_out = np.empty((rows, down[0].shape[1] * down[0].shape[-1]), np.float32)
     block = kv.shape[3]
-    b, off = table[pos // block], pos % block
     nq, nk = heads * head_dim, kv_heads * head_dim
     for layer in range(ln1.shape[0]):
-        _rms_norm(h, ln1[layer], eps, x[0])
+        for r in range(rows):
+            _rms_norm(h[r], ln1[layer], eps, x[r])
         _q4(x, xs, qkv, layer, qkv_out)
-        r = qkv_out[0]
-        for hd in range(heads + kv_heads):  # q heads then k heads: adjacent in the fused output
-            _rope(r, hd, cos[pos], sin[pos])
-        for kh in range(kv_heads):
-            for i in range(head_dim):
-                kv[b, layer, 0, off, kh, i] = r[nq + kh * head_dim + i]
-                kv[b, layer, 1, off, kh, i] = r[nq + nk + kh * head_dim + i]
-        _attend(r, kv, layer, table, pos + 1, block, heads, kv_heads, head_dim, att[0])
-        _q4(att, np.empty((1, att.shape[1] // 32), np.float32), o, layer, o_out)
-        for i in range(hidden):
-            h[i] += o_out[0, i]
-        _rms_norm(h, ln2[layer], eps, x[0])
+        for r in range(rows):
+            pos = positions[r]
+            b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
+            for hd in range(heads + kv_heads):  # q heads then k heads: adjacent in the fused output
+                _rope(q, hd, cos[pos], sin[pos])
+            for kh in range(kv_heads):
+                for i in range(head_dim):
+                    kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
+                    kv[b, layer, 1, off, kh, i] = q[nq + nk + kh * head_dim + i]
+        _attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att)
+        _q4(att, att_s, o, layer, o_out)
+        for r in range(rows):
+            for i in range(hidden):
+                h[r, i] += o_out[r, i]
+            _rms_norm(h[r], ln2[layer], eps, x[r])
         _q4(x, xs, gate_up, layer, gu)
-        for i in range(inter):
-            g = gu[0, i]
-            act[0, i] = g / (np.float32(1) + math.exp(-g)) * gu[0, inter + i]
+        for r in range(rows):
+            for i in range(inter):
+                g = gu[r, i]
+                act[r, i] = g / (np.float32(1) + math.exp(-g)) * gu[r, inter + i]
         _q4(act, act_s, down, layer, d_out)
-        for i in range(hidden):
-            h[i] += d_out[0, i]
-    _rms_norm(h, norm, eps, x[0])
+        for r in range(rows):
+            for i in range(hidden):
+                h[r, i] += d_out[r, i]
+    for r in range(rows):
+        _rms_norm(h[r], norm, eps, x[r])
     if head_q4:
         _block_sums(x, xs)
-        cpu_kernels.q4_matmul(x, xs, head[0], head[1], head[2], logits)
-    else:
+        if rows == 1:
+            cpu_kernels.q4_matmul(x, xs, head[0], head[1], head[2], logits)
+        else:
+            cpu_kernels.q4_matmul_rows(x, xs, head[0], head[1], head[2], logits)
+    elif rows == 1:
         cpu_kernels.q8_matmul(x, head[0], head[1], logits)
+    else:
+        cpu_kernels.q8_matmul_rows(x, head[0], head[1], logits)
 
 
 def _stack(linears: list[BlockLinear]) -> tuple:
@@ -142,8 +166,8 @@ def _stack(linears: list[BlockLinear]) -> tuple:
 
 
 class FusedDecode:
-    """Model.forward for one decode row, as one compiled call. `supports(model, fmt)` says whether
-    a model and KV format can run it."""
+    """Model.forward for a decode step of up to MAX_ROWS sequences, as one compiled call.
+    `supports(model, fmt)` says whether a model and KV format can run it."""
 
     @staticmethod
     def supports(model, fmt) -> bool:
@@ -175,11 +199,26 @@ class FusedDecode:
         self.cos = np.ascontiguousarray(model.rot.real.numpy())
         self.sin = np.ascontiguousarray(model.rot.imag.numpy())
 
-    def __call__(self, token: int, pos: int, blocks: list[int], store: dict) -> torch.Tensor:
-        """Logits [1, vocab] of the token at pos; writes its K/V into the store's fp32 pool."""
+    def compile(self) -> None:
+        """Compile the step (or load it from Numba's disk cache) with a one-block scratch cache,
+        at start-up rather than on the first request's first decode step."""
         cfg = self.cfg
-        logits = np.empty((1, self.padded_vocab), np.float32)
-        _step(token, pos, np.asarray(blocks, dtype=np.int64), store["kv"].numpy(), self.embed, self.ln1, self.ln2,
+        kv = torch.zeros((1, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim))
+        self([(0, 0, [0]), (0, 1, [0])], {"kv": kv})
+        self([(0, 0, [0])], {"kv": kv})
+
+    def __call__(self, rows: list[tuple[int, int, list[int]]], store: dict) -> torch.Tensor:
+        """rows: (token, position, block table) per sequence. Logits [len(rows), vocab] of each
+        row's token; writes their K/V into the store's fp32 pool."""
+        cfg = self.cfg
+        width = max(len(blocks) for _, _, blocks in rows)
+        tables = np.zeros((len(rows), width), np.int64)
+        for i, (_, _, blocks) in enumerate(rows):
+            tables[i, :len(blocks)] = blocks
+        tokens = np.array([t for t, _, _ in rows], np.int64)
+        positions = np.array([p for _, p, _ in rows], np.int64)
+        logits = np.empty((len(rows), self.padded_vocab), np.float32)
+        _step(tokens, positions, tables, store["kv"].numpy(), self.embed, self.ln1, self.ln2,
               self.norm, self.qkv, self.o, self.gate_up, self.down, self.head, self.head_q4, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
               logits)

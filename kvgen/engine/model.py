@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.engine.attention import TORCH_ATTENTION, KernelAttention, KernelStep, Step, TorchAttention
-from kvgen.engine.blocks import BlockLinear, Blocks
+from kvgen.engine.blocks import BlockLinear, Blocks, compile_kernels
 from kvgen.engine.config import ModelConfig
 
 WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "gguf")
@@ -223,6 +223,8 @@ class Model:
         self.norm = RMSNorm(weights["model.norm.weight"].to(act), cfg.rms_norm_eps)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         self.lm_head = make_linear(weights, [head], weight_dtype, blocks)
+        if weight_dtype == "gguf":
+            compile_kernels()
         self.rot = rope_tables(cfg, cfg.context_length)
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim

@@ -41,8 +41,9 @@ import torch
 
 from kvgen import gpu
 from kvgen.engine.attention import KernelAttention, KernelStep, Step
-from kvgen.engine.fused_decode import FusedDecode
+from kvgen.engine.fused_decode import MAX_ROWS, FusedDecode
 from kvgen.engine.model import Model
+from kvgen.engine.threads import in_fresh_thread
 from kvgen.gpu import ops as gpu_ops  # imports without CuPy; called only on a kernel step
 from kvgen.gpu.graphs import GraphRunner, buckets_for
 
@@ -119,6 +120,8 @@ class ModelRunner:
         # format allow it; FUSED_DECODE=0 in tests compares it with the forward it replaces
         fusable = fused and not (window or chunk) and FusedDecode.supports(model, fmt)
         self.fused = FusedDecode(model) if fusable else None
+        if self.fused is not None:
+            in_fresh_thread(self.fused.compile)  # its OpenMP pool goes with the thread (threads.py)
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
 
     def run(self, batch: Batch) -> torch.Tensor:
@@ -130,11 +133,10 @@ class ModelRunner:
         drafted ones) get the logits of every position but the last in self.draft_logits."""
         self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
-        if self.fused is not None and len(wanted) == 1 and wanted[0][1] == 1 and not wanted[0][2] \
-                and not self.keep_features and not wanted[0][0].draft and wanted[0][0].cache.kv_start == 0:
-            seq = wanted[0][0]
-            pos = seq.cache.length
-            logits = self.fused(seq.tokens[pos], pos, seq.cache.blocks, self.store)
+        if self.fused is not None and len(wanted) <= MAX_ROWS and not self.keep_features and all(
+                n == 1 and not m and not seq.draft and seq.cache.kv_start == 0 for seq, n, m in wanted):
+            logits = self.fused([(seq.tokens[seq.cache.length], seq.cache.length, seq.cache.blocks)
+                                 for seq, _, _ in wanted], self.store)
         elif self.kernel_attention is not None and not self.keep_features and all(
                 n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvgen.engine.attention import Step
-from kvgen.engine.fused_decode import FusedDecode
+from kvgen.engine.fused_decode import MAX_ROWS, FusedDecode
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
@@ -53,13 +53,49 @@ def test_every_decode_step_equals_the_forward(q4_model):
                     context_lens=[pos + 1], block_tables=torch.tensor([cache.blocks]), logits_rows=None,
                     is_decode=True)
         want = m.forward(torch.tensor([ids[pos]]), step, fmt, pools[0].store)
-        got = fused(ids[pos], pos, caches[1].blocks, pools[1].store)
+        got = fused([(ids[pos], pos, caches[1].blocks)], pools[1].store)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         for c in caches:
             c.advance(1)
     used = caches[0].blocks
     torch.testing.assert_close(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][used],
                                rtol=1e-5, atol=1e-5)
+
+
+def prefill(model, fmt, pool, ids) -> PagedKVCache:
+    cache = PagedKVCache(pool)
+    cache.reserve(len(ids) + 1)
+    b, o = cache.slots(0, len(ids))
+    step = Step(positions=torch.arange(len(ids)), write_blocks=b, write_offsets=o, query_lens=[len(ids)],
+                context_lens=[len(ids)], block_tables=torch.tensor([cache.blocks]), logits_rows=None, is_decode=False)
+    model.forward(torch.tensor(ids), step, fmt, pool.store)
+    cache.advance(len(ids))
+    return cache
+
+
+@pytest.mark.parametrize("rows", [2, 3, MAX_ROWS])
+def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
+    """Sequences of different lengths (14 to 14 + 3 * rows: one block, two, a block's last slot)
+    decode one token each in one fused step: the batched forward's logits and K/V."""
+    m, cfg = q4_model, q4_model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    g = torch.Generator().manual_seed(rows)
+    prompts = [torch.randint(3, cfg.vocab_size, (14 + 3 * i,), generator=g).tolist() for i in range(rows)]
+    nxt = torch.randint(3, cfg.vocab_size, (rows,), generator=g).tolist()
+    pools = [BlockPool(fmt, 4 * rows) for _ in range(2)]
+    caches = [[prefill(m, fmt, pool, p) for p in prompts] for pool in pools]
+    ref = caches[0]
+    blocks, offsets = zip(*[c.slots(c.length, 1) for c in ref], strict=True)
+    width = max(len(c.blocks) for c in ref)
+    step = Step(positions=torch.tensor([c.length for c in ref]), write_blocks=torch.cat(blocks),
+                write_offsets=torch.cat(offsets), query_lens=[1] * rows, context_lens=[c.length + 1 for c in ref],
+                block_tables=torch.tensor([c.blocks + [0] * (width - len(c.blocks)) for c in ref]),
+                logits_rows=None, is_decode=True)
+    want = m.forward(torch.tensor(nxt), step, fmt, pools[0].store)
+    got = FusedDecode(m)([(t, c.length, c.blocks) for t, c in zip(nxt, caches[1], strict=True)], pools[1].store)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for a, b in zip(caches[0], caches[1], strict=True):
+        torch.testing.assert_close(pools[1].store["kv"][b.blocks], pools[0].store["kv"][a.blocks], rtol=1e-5, atol=1e-5)
 
 
 def test_the_runner_fuses_only_what_it_supports(q4_model):

@@ -55,6 +55,8 @@ def test_make_serve_streams_tokens():
         assert msgs[-1].finish_reason == pb.FINISH_REASON_LENGTH
         page = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
         assert "kvgen_kv_blocks_total" in page
+        # WEIGHT_DTYPE=auto on the CPU: the GGUF's own blocks, named in GetModelInfo
+        assert client.model_info().weight_dtype == "gguf"
         client.close()
     finally:
         stop_group(proc)
