@@ -17,6 +17,9 @@ whatever the batch, so a row's result does not depend on the other rows.
     q8: qs [N/TILE, G, 32, TILE] int8; value = d * q
     d, m: [N/TILE, G, TILE] float32;  x [M, K] float32 contiguous;  y [M, N] float32
 
+The kernels release the GIL (nogil): the engine thread runs them while the server's event loop
+goes on serving other calls, as it does during torch's ops.
+
 Threads: the kernels run on Numba's OpenMP layer, which loads the same libgomp torch uses, so a
 kernel called from the engine thread shares that thread's worker pool instead of starting a
 second one (threads.py says why a second pool costs every step).
@@ -34,7 +37,7 @@ TILE = 64
 numba.config.THREADING_LAYER = "omp"
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def q4_matmul(x, xsum, qs, d, m, y):  # pragma: no cover - compiled
     """xsum [M, G]: each block's sum of x (the m term of every row of the block)."""
     rows = x.shape[0]
@@ -61,7 +64,7 @@ def q4_matmul(x, xsum, qs, d, m, y):  # pragma: no cover - compiled
                 y[r, t * tile + c] = acc[c]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def q8_matmul(x, qs, d, y):  # pragma: no cover - compiled
     rows = x.shape[0]
     tiles, groups, tile = qs.shape[0], qs.shape[1], qs.shape[-1]  # tile at run time: see TILE
@@ -85,7 +88,7 @@ def q8_matmul(x, qs, d, y):  # pragma: no cover - compiled
 # Several rows: the tile's codes are converted to floats once per block and every row reuses them
 # (the one-row kernels above convert per row, which costs more than the multiply from 2 rows on).
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def q4_matmul_rows(x, xsum, qs, d, m, y):  # pragma: no cover - compiled
     rows = x.shape[0]
     tiles, groups, tile = qs.shape[0], qs.shape[1], qs.shape[-1]
@@ -113,7 +116,7 @@ def q4_matmul_rows(x, xsum, qs, d, m, y):  # pragma: no cover - compiled
                 y[r, t * tile + c] = acc[r, c]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def q8_matmul_rows(x, qs, d, y):  # pragma: no cover - compiled
     rows = x.shape[0]
     tiles, groups, tile = qs.shape[0], qs.shape[1], qs.shape[-1]

@@ -24,7 +24,7 @@ from kvgen.engine.blocks import GROUP, KERNEL_ROWS, BlockLinear
 MAX_ROWS = KERNEL_ROWS  # past it Model.forward's fp32 matmuls are faster than the block kernels
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def _rms_norm(h, w, eps, out):  # pragma: no cover - compiled
     ss = np.float32(0)
     for i in range(h.shape[0]):
@@ -34,7 +34,7 @@ def _rms_norm(h, w, eps, out):  # pragma: no cover - compiled
         out[i] = h[i] * inv * w[i]
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def _block_sums(x, out):  # pragma: no cover - compiled
     for r in range(x.shape[0]):
         for g in range(out.shape[1]):
@@ -44,7 +44,7 @@ def _block_sums(x, out):  # pragma: no cover - compiled
             out[r, g] = s
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def _rope(x, head, cos, sin):  # pragma: no cover - compiled
     """Rotate the interleaved pairs of x[head * D : (head + 1) * D] (model.py's layout)."""
     half = cos.shape[0]
@@ -55,7 +55,7 @@ def _rope(x, head, cos, sin):  # pragma: no cover - compiled
         x[base + 2 * i + 1] = a * sin[i] + b * cos[i]
 
 
-@njit(parallel=True, fastmath=True, cache=True)
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  # pragma: no cover
     """out[r, h] = softmax(q_rh K^T / sqrt(D)) V over row r's cached positions 0..positions[r]."""
     group = heads // kv_heads
@@ -88,7 +88,7 @@ def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  #
             out[r, h * head_dim + i] = acc[i]
 
 
-@njit(fastmath=True, cache=True)
+@njit(fastmath=True, cache=True, nogil=True)
 def _q4(x, xsum, w, layer, y):  # pragma: no cover - compiled
     """y = x W_layer^T: the one-row kernel for one row, the several-rows kernel for more (as
     BlockLinear picks them, so a row computes the same here as in Model.forward)."""
@@ -99,7 +99,7 @@ def _q4(x, xsum, w, layer, y):  # pragma: no cover - compiled
         cpu_kernels.q4_matmul_rows(x, xsum, w[0][layer], w[1][layer], w[2][layer], y)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _step(tokens, positions, tables, kv, embed, ln1, ln2, norm, qkv, o, gate_up, down, head, head_q4,
           cos, sin, eps, heads, kv_heads, head_dim, inter, logits):  # pragma: no cover - compiled
     rows, hidden = tokens.shape[0], embed.shape[1]

@@ -124,3 +124,27 @@ def test_default_weights_decode_like_transformers(hf_model):
             assert got == hf_greedy(hf, ids, 32), prompt
     finally:
         gen.close()
+
+
+def test_fused_steps_are_not_given_drafts(q4_model, bpe):  # noqa: F811
+    """Speculation stands aside where a step runs fused (a verification would cost more than the
+    plain steps it saves): the drafter is never asked, and the tokens are plain decoding's."""
+    from kvgen.engine.tokenizer import TextTokenizer
+    from tests.tiny import CHATML_TEMPLATE
+
+    tok = TextTokenizer(bpe, CHATML_TEMPLATE, bos_id=None, add_bos=False, special_ids={0, 1, 2},
+                        eos_token="<|im_end|>")
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    prompt = list(range(3, 15)) * 4  # repeats: prompt lookup would have drafts to offer
+    plain = Generator(q4_model, tok, EngineOptions())
+    spec = Generator(q4_model, tok, EngineOptions(speculative="ngram"))
+    asked = []
+    propose = spec.engine.drafter.propose
+    spec.engine.drafter.propose = lambda wanted: asked.append(wanted) or propose(wanted)
+    try:
+        assert spec.engine.runner.fused is not None
+        assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
+        assert asked == []
+    finally:
+        plain.close()
+        spec.close()
