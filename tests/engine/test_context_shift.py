@@ -6,6 +6,7 @@ fresh request over the same shortened tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.model import Model
@@ -46,6 +47,40 @@ def test_a_raw_session_shifts_and_matches_a_fresh_request(kv):
         assert fresh.token_ids == s.history[-24:]
         if kv == "fp32":  # re-rotated keys: the shifted history's KV was reused, not recomputed
             assert out.usage.cached_tokens > 64
+    finally:
+        gen.close()
+
+
+def test_re_rotated_keys_are_a_fresh_prefills_at_the_first_layer():
+    """fp32, no prefix cache: after shifts, the kept positions' layer-0 keys and values equal a
+    fresh prefill's of the shortened tokens at their new positions (1e-5): the move and the RoPE
+    re-rotation are exact. Deeper layers' K/V still carry what was dropped (their attention saw it
+    when they were computed), as in llama.cpp, so a continuation after a re-rotating shift is
+    close to a fresh request's, not equal to it (a recomputing shift is equal)."""
+    model, tok = _model()
+    gen = Generator(model, tok, EngineOptions(kv_dtype="fp32", prefix_cache=False))
+    try:
+        s = gen.new_session()
+        s.generate("system: be brief. " * 2, GREEDY)
+        shifts, last = 0, 0
+        while shifts < 2:
+            out = s.generate(" and then " + TEXT, GREEDY)
+            shifts += out.usage.prompt_tokens < last  # the history got shorter: a shift
+            last = out.usage.prompt_tokens
+        assert out.usage.cached_tokens > 64  # the kept history's KV was moved, not recomputed
+        n = s.cache.length
+        tokens = s._last.seq.tokens  # the finished turn's (s.history takes them in at the next turn)
+        fresh = gen.new_session()
+        fresh.generate(tokens[:n], SamplingParams(temperature=0, max_new_tokens=1))
+        kv = gen.pool.store["kv"]  # [blocks, layers, 2, block, kv heads, head dim]
+
+        def layer(cache, i):  # [2, n, kv heads, head dim]
+            x = kv[torch.tensor(cache.blocks), i].transpose(0, 1)
+            return x.reshape(2, -1, *x.shape[-2:])[:, :n]
+
+        torch.testing.assert_close(layer(s.cache, 0), layer(fresh.cache, 0), rtol=1e-5, atol=1e-5)
+        deepest = model.cfg.num_layers - 1
+        assert (layer(s.cache, deepest) - layer(fresh.cache, deepest)).abs().max() > 1e-3
     finally:
         gen.close()
 
