@@ -185,8 +185,8 @@ class Layer:
 
 def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
     if weight_dtype not in CUDA_WEIGHT_DTYPES:
-        raise ValueError(f"weight dtype {weight_dtype!r} runs on the CPU only (torch's packed int8 / int4 "
-                         f"kernels); on {device.type} use one of {', '.join(CUDA_WEIGHT_DTYPES)}")
+        raise ValueError(f"weight dtype {weight_dtype!r} runs on the CPU only (its kernels are CPU kernels); "
+                         f"on {device.type} use one of {', '.join(CUDA_WEIGHT_DTYPES)}")
 
 
 def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: dict | None) -> str:
