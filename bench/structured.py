@@ -88,7 +88,8 @@ def llamacpp() -> dict | None:
 
 def main() -> None:
     print(f"{cpu_name()}, {cores()} cores, loadavg {os.getloadavg()}", flush=True)
-    gen = Generator.load()
+    gen = Generator.load()  # the default settings (WEIGHT_DTYPE=auto)
+    weights = gen.model.weight_dtype
     try:
         # each pair measured back to back, twice, the better of each kept: a neighbour's burst of
         # load on 2 cores would otherwise decide the ratio
@@ -107,8 +108,8 @@ def main() -> None:
     rows = [
         "| workload | unconstrained tok/s | constrained tok/s | constrained / unconstrained |",
         "|---|---|---|---|",
-        f"| kvgen fp32, batch 1 | {free1:.1f} | {cons1:.1f} | {cons1 / free1:.3f} |",
-        f"| kvgen fp32, 16 streams (8 constrained) | {free16:.1f} | {half16:.1f} | {half16 / free16:.3f} |",
+        f"| kvgen {weights}, batch 1 | {free1:.1f} | {cons1:.1f} | {cons1 / free1:.3f} |",
+        f"| kvgen {weights}, 16 streams (8 constrained) | {free16:.1f} | {half16:.1f} | {half16 / free16:.3f} |",
     ]
     if lc:
         rows.append(f"| llama.cpp Q4_1 (llama-cpp-python, LlamaGrammar), batch 1 | {lc['free_tps']:.1f} | "

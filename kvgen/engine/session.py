@@ -27,7 +27,7 @@ class Session:
         self.gen = gen
         self.session_id = session_id
         self.cache = gen.scheduler.kv.new_table()
-        self.history: list[int] = []  # tokens of the conversation so far
+        self.history: list[int] = []  # tokens of the conversation up to the last turn taken in (see tokens)
         self.messages: list[dict] = []
         self.last_used = time.monotonic()
         self.closed = False
@@ -68,6 +68,12 @@ class Session:
             self._last, self._last_messages = req, messages
             self.last_used = time.monotonic()
             return req
+
+    @property
+    def tokens(self) -> list[int]:
+        """The conversation's tokens so far, the last turn's included (history takes them in only
+        when the next turn starts)."""
+        return list(self._last.seq.tokens) if self._last is not None else list(self.history)
 
     @property
     def block_size(self) -> int:

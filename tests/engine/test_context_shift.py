@@ -69,7 +69,8 @@ def test_re_rotated_keys_are_a_fresh_prefills_at_the_first_layer():
             last = out.usage.prompt_tokens
         assert out.usage.cached_tokens > 64  # the kept history's KV was moved, not recomputed
         n = s.cache.length
-        tokens = s._last.seq.tokens  # the finished turn's (s.history takes them in at the next turn)
+        tokens = s.tokens
+        assert len(tokens) == n + 1  # every token but the last generated one is cached
         fresh = gen.new_session()
         fresh.generate(tokens[:n], SamplingParams(temperature=0, max_new_tokens=1))
         kv = gen.pool.store["kv"]  # [blocks, layers, 2, block, kv heads, head dim]
