@@ -20,9 +20,11 @@ whatever the batch, so a row's result does not depend on the other rows.
 The kernels release the GIL (nogil): the engine thread runs them while the server's event loop
 goes on serving other calls, as it does during torch's ops.
 
-Threads: the kernels run on Numba's OpenMP layer, which loads the same libgomp torch uses, so a
-kernel called from the engine thread shares that thread's worker pool instead of starting a
-second one (threads.py says why a second pool costs every step).
+Threads: the kernels run on Numba's OpenMP layer. It links the system's libgomp by a file name
+torch's bundled copy does not answer to, so the engine thread holds two worker pools, torch's and
+this one (threads.py says why extra pools cost). The measured speeds include that cost. A fused
+step runs almost nothing in torch, so there the two pools do not compete. Sharing torch's pool
+would take loading torch's libgomp under the name Numba asks for; that is not done.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from numba import njit, prange
 # Output rows per tile (measured: 64 beat 32 and 128 on a 2-core AVX2 EPYC). The kernels read it
 # from the array's shape: with the constant in the loops, LLVM unrolled them into code 4x slower.
 TILE = 64
-numba.config.THREADING_LAYER = "omp"
+numba.config.THREADING_LAYER = "omp"  # the same runtime kind as torch's (see Threads above)
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
