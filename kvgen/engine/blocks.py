@@ -21,7 +21,7 @@ GROUP = 32
 # Types kept as blocks: (bytes per block, layout). Q4_0 is Q4_1 with m = -8 d.
 BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 # Up to this many rows a call runs the block kernels (one row: the one-row kernel; more: the
-# several-rows one); above it, one fp32 copy of the weight (made on the first such call) and
+# several-rows one); above it, an fp32 copy of the weight and
 # torch's matmul, which blocks better once the multiply, not the weights' bytes, sets the pace.
 # Measured on a 2-core AVX2 EPYC, the layers of SmolLM2-135M: 1 row 8 ms (fp32 matmul 34),
 # 4 rows 22 (63), 16 rows 73 (64), 64 rows 282 (122).
@@ -96,11 +96,12 @@ class BlockLinear:
 
     dtype = "gguf"
 
-    def __init__(self, blocks: Blocks, b: torch.Tensor | None):
+    def __init__(self, blocks: Blocks, b: torch.Tensor | None, fp32: torch.Tensor | None = None):
+        """fp32: the same weight dequantized, when the caller has it already (the loader made
+        it); else it is made from the blocks. Calls with many rows multiply by it."""
         self.kind, self.b = blocks.kind, b
         self.out_features, self.in_features = blocks.shape
-        self._blocks: Blocks | None = blocks  # until the fp32 copy is made (dequantize)
-        self._fp32: torch.Tensor | None = None
+        self.fp32 = blocks.dequantize() if fp32 is None else fp32
         pad = -self.out_features % TILE  # the kernels work in whole tiles of output rows
         n = self.out_features + pad
 
@@ -112,16 +113,9 @@ class BlockLinear:
         self.qs, self.d = tiled(blocks.qs), tiled(blocks.d)
         self.m = tiled(blocks.m) if blocks.m is not None else None
 
-    def fp32(self) -> torch.Tensor:
-        """The weight as fp32 [N, K], for calls with many rows: made on the first and kept."""
-        if self._fp32 is None:
-            self._fp32 = self._blocks.dequantize().contiguous()
-            self._blocks = None
-        return self._fp32
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > KERNEL_ROWS:
-            return torch.nn.functional.linear(x, self.fp32(), self.b)
+            return torch.nn.functional.linear(x, self.fp32, self.b)
         x = x.float().contiguous()
         xn = x.numpy()
         y = np.empty((x.shape[0], self.d.shape[0] * TILE), np.float32)

@@ -90,7 +90,8 @@ class ModelRunner:
     width: block-table columns of a kernel step (the most blocks one sequence can hold;
         default: enough for the model's context).
     kernels: see pick_kernel_attention.
-    fused: run one-sequence decode steps through FusedDecode where it supports the model.
+    fused: run decode steps of up to MAX_ROWS sequences through FusedDecode where it supports the
+        model and format (False: always Model.forward; tests compare the two).
     """
 
     def __init__(self, model: Model, fmt, store: dict, *, window: int = 0, chunk: int = 0,
@@ -116,13 +117,16 @@ class ModelRunner:
         # keep_features: every step returns its tokens' final hidden states (an EAGLE head drafts
         # from them), through torch attention: the kernel path's graphs return logits only
         self.keep_features = False
-        # one-sequence decode steps as one compiled call (fused_decode.py), where the model and
-        # format allow it; FUSED_DECODE=0 in tests compares it with the forward it replaces
+        # small decode steps as one compiled call (fused_decode.py), where the model and format allow it
         fusable = fused and not (window or chunk) and FusedDecode.supports(model, fmt)
         self.fused = FusedDecode(model) if fusable else None
         if self.fused is not None:
             in_fresh_thread(self.fused.compile)  # its OpenMP pool goes with the thread (threads.py)
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
+
+    def fuses(self, rows: int) -> bool:
+        """Whether a decode step of this many one-token rows (no drafts) runs fused."""
+        return self.fused is not None and rows <= MAX_ROWS
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each
@@ -133,7 +137,7 @@ class ModelRunner:
         drafted ones) get the logits of every position but the last in self.draft_logits."""
         self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
-        if self.fused is not None and len(wanted) <= MAX_ROWS and not self.keep_features and all(
+        if self.fuses(len(wanted)) and not self.keep_features and all(
                 n == 1 and not m and not seq.draft and seq.cache.kv_start == 0 for seq, n, m in wanted):
             logits = self.fused([(seq.tokens[seq.cache.length], seq.cache.length, seq.cache.blocks)
                                  for seq, _, _ in wanted], self.store)
