@@ -161,8 +161,12 @@ def _step(tokens, positions, tables, kv, embed, ln1, ln2, norm, qkv, o, gate_up,
 
 
 def _stack(linears: list[BlockLinear]) -> tuple:
-    """(qs, d, m) of every layer's linear, stacked along a new first axis."""
-    return tuple(np.stack([getattr(lin, a) for lin in linears]) for a in ("qs", "d", "m"))
+    """(qs, d, m) of every layer's linear, stacked along a new first axis. Each linear then reads
+    its own slice of the stack (a view), so the blocks are held once, not twice."""
+    stacks = tuple(np.stack([getattr(lin, a) for lin in linears]) for a in ("qs", "d", "m"))
+    for i, lin in enumerate(linears):
+        lin.qs, lin.d, lin.m = (a[i] for a in stacks)
+    return stacks
 
 
 class FusedDecode:
