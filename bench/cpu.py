@@ -201,9 +201,10 @@ def main() -> None:
 
 def auto_choice() -> str:
     """What WEIGHT_DTYPE=auto resolves to for the embedded GGUF on this machine's CPU."""
+    from kvgen.engine import loader
     from kvgen.engine.model import resolve_weight_dtype
 
-    return resolve_weight_dtype("auto", torch.device("cpu"), {"any": True})
+    return resolve_weight_dtype("auto", torch.device("cpu"), loader.load(peers.model_path())[2].get("blocks"))
 
 
 def fast_dtype() -> str:

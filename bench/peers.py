@@ -68,31 +68,32 @@ PROMPT_TEXT = (
 )
 
 
-def cpu_name() -> str:
-    """The CPU's model name and the vector extensions the engine's speed depends on (bf16 paths
-    lean on AVX-512 / AMX), from /proc/cpuinfo; the machine type elsewhere."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                platform.machine())
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
-    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(have) or 'no AVX2'})"
-
-
 CPU_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "avx_vnni", "amx_bf16", "amx_int8")
 
 
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def cpu_name() -> str:
+    """The CPU's model name and the vector extensions the engine's speed depends on (bf16 paths
+    lean on AVX-512 / AMX), from /proc/cpuinfo; the machine type elsewhere."""
+    if not _cpuinfo():
+        return platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines() if line.startswith("model name")),
+                platform.machine())
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in cpu_flags()]
+    return f"{name} ({', '.join(have) or 'no AVX2'})"
+
+
 def cpu_flags() -> list[str]:
     """The vector extensions this CPU has, of those the kernels' speed depends on."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = set(next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), []))
+    line = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), "flags:")
+    flags = set(line.split(":", 1)[1].split())
     return [f for f in CPU_FLAGS if f in flags]
 
 
