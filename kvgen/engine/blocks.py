@@ -4,7 +4,9 @@ A Q4_1 file holds every weight as 4-bit codes with an fp16 scale and minimum per
 dequantized, that is exactly the fp32 matrix transformers (the oracle) runs. `Blocks` keeps the
 codes as they are (rows can still be permuted and concatenated, which the model does to fuse
 q|k|v and gate|up), and `BlockLinear` multiplies fp32 activations by them with the Numba kernels
-in cpu_kernels.py: a decode step reads 5 bits a weight instead of 32, with fp32's fidelity.
+in cpu_kernels.py: a decode step reads 5 bits a weight instead of 32. The kernels round the
+activations to int16 per block of 32 (2^-16 of the block's largest), so the output is the fp32
+matmul's to about 1e-4, where llama.cpp's 8-bit activations lose 2^-8.
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from kvgen.engine.cpu_kernels import TILE
 GROUP = 32
 # Types kept as blocks: (bytes per block, layout). Q4_0 is Q4_1 with m = -8 d.
 BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-# Up to this many rows a call runs the block kernels (one row: the one-row kernel; more: the
-# several-rows one); above it, an fp32 copy of the weight and
+# Up to this many rows a call runs the block kernels; above it, an fp32 copy of the weight and
 # torch's matmul, which blocks better once the multiply, not the weights' bytes, sets the pace.
-# Measured on a 2-core AVX2 EPYC, the layers of SmolLM2-135M: 1 row 8 ms (fp32 matmul 34),
-# 4 rows 22 (63), 16 rows 73 (64), 64 rows 282 (122).
-KERNEL_ROWS = 12
+# Measured on a 2-core AVX2 EPYC, every layer of SmolLM2-135M, ms (fp32 matmul in brackets):
+# 1 row 5.4 (34), 4 rows 14 (59), 12 rows 27 (60), 16 rows 40 (65), 32 rows 86 (87), 64 rows 179 (150).
+KERNEL_ROWS = 32
 
 
 @dataclass
@@ -80,15 +81,10 @@ class Blocks:
 def compile_kernels() -> None:
     """Compile (or load from Numba's on-disk cache) every block kernel once, on tiny arrays, so
     that model loading pays for it and not the first request (tens of seconds on a fresh machine)."""
-    x = np.zeros((2, GROUP), np.float32)
-    xsum, y = np.zeros((2, 1), np.float32), np.zeros((2, TILE), np.float32)
-    d = np.zeros((1, 1, TILE), np.float32)
-    q4, q8 = np.zeros((1, 1, 16, TILE), np.uint8), np.zeros((1, 1, 32, TILE), np.int8)
-    for rows in (1, 2):
-        kernels = (cpu_kernels.q4_matmul, cpu_kernels.q8_matmul) if rows == 1 else \
-            (cpu_kernels.q4_matmul_rows, cpu_kernels.q8_matmul_rows)
-        kernels[0](x[:rows], xsum[:rows], q4, d, d, y[:rows])
-        kernels[1](x[:rows], q8, d, y[:rows])
+    xq, dx, xs = cpu_kernels.quantize(np.zeros((1, GROUP), np.float32))
+    y, d = np.zeros((1, TILE), np.float32), np.zeros((1, 1, TILE), np.float32)
+    cpu_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y)
+    cpu_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y)
 
 
 class BlockLinear:
@@ -110,21 +106,21 @@ class BlockLinear:
             t = t.reshape(n // TILE, TILE, *t.shape[1:])
             return np.ascontiguousarray(t.movedim(1, -1).numpy())
 
-        self.qs, self.d = tiled(blocks.qs), tiled(blocks.d)
+        # codes [N, G, B] -> [N, G, B/2, 2] (pairs of neighbouring bytes) -> [N/TILE, G, B/2, TILE, 2]
+        pairs = tiled(blocks.qs.reshape(*blocks.qs.shape[:2], -1, 2))
+        self.qs = np.ascontiguousarray(np.swapaxes(pairs, -1, -2))
+        self.d = tiled(blocks.d)
         self.m = tiled(blocks.m) if blocks.m is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > KERNEL_ROWS:
             return torch.nn.functional.linear(x, self.fp32, self.b)
-        x = x.float().contiguous()
-        xn = x.numpy()
+        xq, dx, xs = cpu_kernels.quantize(x.float().contiguous().numpy())
         y = np.empty((x.shape[0], self.d.shape[0] * TILE), np.float32)
-        one = x.shape[0] == 1
         if self.kind == "q4":
-            xsum = xn.reshape(x.shape[0], -1, GROUP).sum(-1)
-            (cpu_kernels.q4_matmul if one else cpu_kernels.q4_matmul_rows)(xn, xsum, self.qs, self.d, self.m, y)
+            cpu_kernels.q4_matmul(xq, dx, xs, self.qs, self.d, self.m, y)
         else:
-            (cpu_kernels.q8_matmul if one else cpu_kernels.q8_matmul_rows)(xn, self.qs, self.d, y)
+            cpu_kernels.q8_matmul(xq, dx, self.qs, self.d, y)
         out = torch.from_numpy(y)
         if y.shape[1] != self.out_features:
             out = out[:, :self.out_features]

@@ -4,7 +4,7 @@ At batch 1 on a small model, torch's per-op dispatch is a third of the step: Mod
 ~30 ops per layer (norms, RoPE, the cache write and read, attention, the activation, residuals)
 around its four matmuls, each a few microseconds of bookkeeping for a few hundred floats of work.
 This is the same layer loop (model.py is the reference it is tested against) with every op a
-loop in one compiled function, the matmuls being cpu_kernels' one-row kernels: the step costs the
+loop in one compiled function, the matmuls being cpu_kernels' block kernels: the step costs the
 weights' bytes and little else. It runs the steps it can (model_runner decides): up to MAX_ROWS
 sequences of one new token each, fp32 keys and values, no window or chunk, no bias; every other
 step takes Model.forward.
@@ -32,16 +32,6 @@ def _rms_norm(h, w, eps, out):  # pragma: no cover - compiled
     inv = np.float32(1) / math.sqrt(ss / h.shape[0] + eps)
     for i in range(h.shape[0]):
         out[i] = h[i] * inv * w[i]
-
-
-@njit(fastmath=True, cache=True, nogil=True)
-def _block_sums(x, out):  # pragma: no cover - compiled
-    for r in range(x.shape[0]):
-        for g in range(out.shape[1]):
-            s = np.float32(0)
-            for j in range(32):
-                s += x[r, g * 32 + j]
-            out[r, g] = s
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -89,14 +79,10 @@ def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  #
 
 
 @njit(fastmath=True, cache=True, nogil=True)
-def _q4(x, xsum, w, layer, y):  # pragma: no cover - compiled
-    """y = x W_layer^T: the one-row kernel for one row, the several-rows kernel for more (as
-    BlockLinear picks them, so a row computes the same here as in Model.forward)."""
-    _block_sums(x, xsum)
-    if x.shape[0] == 1:
-        cpu_kernels.q4_matmul(x, xsum, w[0][layer], w[1][layer], w[2][layer], y)
-    else:
-        cpu_kernels.q4_matmul_rows(x, xsum, w[0][layer], w[1][layer], w[2][layer], y)
+def _q4(x, w, layer, y):  # pragma: no cover - compiled
+    """y = x W_layer^T, as BlockLinear computes it (so a row computes the same here as in Model.forward)."""
+    xq, dx, xs = cpu_kernels.quantize(x)
+    cpu_kernels.q4_matmul(xq, dx, xs, w[0][layer], w[1][layer], w[2][layer], y)
 
 
 @njit(cache=True, nogil=True)
@@ -107,21 +93,18 @@ def _step(tokens, positions, tables, kv, embed, ln1, ln2, norm, qkv, o, gate_up,
     for r in range(rows):
         h[r] = embed[tokens[r]]
     x = np.empty((rows, hidden), np.float32)
-    xs = np.empty((rows, hidden // 32), np.float32)
-    qkv_out = np.empty((rows, qkv[0].shape[1] * qkv[0].shape[-1]), np.float32)
+    qkv_out = np.empty((rows, qkv[1].shape[1] * qkv[1].shape[-1]), np.float32)
     att = np.empty((rows, heads * head_dim), np.float32)
-    att_s = np.empty((rows, heads * head_dim // 32), np.float32)
-    o_out = np.empty((rows, o[0].shape[1] * o[0].shape[-1]), np.float32)
-    gu = np.empty((rows, gate_up[0].shape[1] * gate_up[0].shape[-1]), np.float32)
+    o_out = np.empty((rows, o[1].shape[1] * o[1].shape[-1]), np.float32)
+    gu = np.empty((rows, gate_up[1].shape[1] * gate_up[1].shape[-1]), np.float32)
     act = np.empty((rows, inter), np.float32)
-    act_s = np.empty((rows, inter // 32), np.float32)
-    d_out = np.empty((rows, down[0].shape[1] * down[0].shape[-1]), np.float32)
+    d_out = np.empty((rows, down[1].shape[1] * down[1].shape[-1]), np.float32)
     block = kv.shape[3]
     nq, nk = heads * head_dim, kv_heads * head_dim
     for layer in range(ln1.shape[0]):
         for r in range(rows):
             _rms_norm(h[r], ln1[layer], eps, x[r])
-        _q4(x, xs, qkv, layer, qkv_out)
+        _q4(x, qkv, layer, qkv_out)
         for r in range(rows):
             pos = positions[r]
             b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
@@ -132,32 +115,27 @@ def _step(tokens, positions, tables, kv, embed, ln1, ln2, norm, qkv, o, gate_up,
                     kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
                     kv[b, layer, 1, off, kh, i] = q[nq + nk + kh * head_dim + i]
         _attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att)
-        _q4(att, att_s, o, layer, o_out)
+        _q4(att, o, layer, o_out)
         for r in range(rows):
             for i in range(hidden):
                 h[r, i] += o_out[r, i]
             _rms_norm(h[r], ln2[layer], eps, x[r])
-        _q4(x, xs, gate_up, layer, gu)
+        _q4(x, gate_up, layer, gu)
         for r in range(rows):
             for i in range(inter):
                 g = gu[r, i]
                 act[r, i] = g / (np.float32(1) + math.exp(-g)) * gu[r, inter + i]
-        _q4(act, act_s, down, layer, d_out)
+        _q4(act, down, layer, d_out)
         for r in range(rows):
             for i in range(hidden):
                 h[r, i] += d_out[r, i]
     for r in range(rows):
         _rms_norm(h[r], norm, eps, x[r])
+    xq, dx, xs = cpu_kernels.quantize(x)
     if head_q4:
-        _block_sums(x, xs)
-        if rows == 1:
-            cpu_kernels.q4_matmul(x, xs, head[0], head[1], head[2], logits)
-        else:
-            cpu_kernels.q4_matmul_rows(x, xs, head[0], head[1], head[2], logits)
-    elif rows == 1:
-        cpu_kernels.q8_matmul(x, head[0], head[1], logits)
+        cpu_kernels.q4_matmul(xq, dx, xs, head[0], head[1], head[2], logits)
     else:
-        cpu_kernels.q8_matmul_rows(x, head[0], head[1], logits)
+        cpu_kernels.q8_matmul(xq, dx, head[0], head[1], logits)
 
 
 def _stack(linears: list[BlockLinear]) -> tuple:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
 
-from kvgen.engine.blocks import KERNEL_ROWS, BlockLinear, Blocks
+from kvgen.engine import cpu_kernels
+from kvgen.engine.blocks import GROUP, KERNEL_ROWS, BlockLinear, Blocks
 from kvgen.engine.generator import load_model
 from kvgen.engine.model import Model, interleave
 from tests.engine.test_loader import all_logits, bpe, chunkings, gguf_base, logits_at_chunk_ends, token_sequences  # noqa: F401  (fixtures)
@@ -34,18 +41,78 @@ def test_blocks_dequantize_as_gguf_py(qtype):
     assert torch.equal(b.dequantize(), torch.from_numpy(ref))
 
 
+def int16_activations(x: torch.Tensor) -> torch.Tensor:
+    """What the kernels multiply the weight codes by: each row's blocks of 32 inputs rounded to
+    int16 steps of (the block's largest |x|) / 32767, half to even (written from that rule, not
+    from cpu_kernels.quantize)."""
+    blocks = x.double().reshape(x.shape[0], -1, GROUP)
+    step = blocks.abs().amax(-1, keepdim=True).float().double() / 32767
+    return (torch.round(blocks / torch.where(step > 0, step, 1)) * step).reshape(x.shape)
+
+
+def expected(qtype, raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """x W^T of the dequantized weight as the kernels define it, in float64: d * q times the
+    int16-rounded activations, plus each block's m (Q4) times the block's sum of x itself."""
+    n, k = raw.shape[0], x.shape[1]
+    b = Blocks.from_gguf(qtype.name, raw)
+    xr = int16_activations(x)
+    if b.kind == "q8":
+        return xr @ (b.qs.double() * b.d.double()[..., None]).reshape(n, k).T
+    q = torch.cat((b.qs & 15, b.qs >> 4), -1).double()
+    y = xr @ (q * b.d.double()[..., None]).reshape(n, k).T
+    return y + x.double().reshape(x.shape[0], -1, GROUP).sum(-1) @ b.m.double().T
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, KERNEL_ROWS, KERNEL_ROWS + 3, 37])  # both kernels and the fp32 copy
-def test_block_linear_is_the_fp32_matmul(qtype, rows):
-    """Kernel rows (<= KERNEL_ROWS) and the fp32 copy's rows both compute x W^T of the dequantized
-    weight; 72 output rows is not a whole number of tiles (the kernel pads)."""
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, KERNEL_ROWS])
+def test_kernels_multiply_int16_activations_exactly(qtype, rows):
+    """Up to KERNEL_ROWS rows the kernels compute x W^T with the activations rounded to int16 per
+    block and nothing else lost (integer sums; the fp32 scaling, where Q4_0's m = -8 d cancels most of
+    the d q term, to 3e-5); that stays within the rounding's
+    bound of the fp32 matmul. 72 output rows is not a whole number of tiles (the kernel pads)."""
     raw, ref = quantized(qtype, 72, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(72)
     got = BlockLinear(Blocks.from_gguf(qtype.name, raw), bias)(x)
-    want = x @ torch.from_numpy(ref).T + bias
     assert got.shape == (rows, 72) and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), expected(qtype, raw, x) + bias.double(), rtol=1e-5, atol=3e-5)
+    bound = (x - int16_activations(x).float()).abs() @ torch.from_numpy(ref).abs().T  # sum |dx| |w|
+    assert ((got - (x @ torch.from_numpy(ref).T + bias)).abs() <= bound + 1e-5).all()
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [KERNEL_ROWS + 3, 37])
+def test_many_rows_are_the_fp32_matmul(qtype, rows):
+    """Past KERNEL_ROWS a call multiplies by the kept fp32 copy of the dequantized weight."""
+    raw, ref = quantized(qtype, 72, 160, seed=rows)
+    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    got = BlockLinear(Blocks.from_gguf(qtype.name, raw), None)(x)
+    torch.testing.assert_close(got, x @ torch.from_numpy(ref).T, rtol=1e-5, atol=1e-5)
+
+
+def test_portable_kernels_give_the_same_bits():
+    """On a CPU with AVX2 the kernels call pmaddwd; elsewhere LLVM lowers a portable multiply-add.
+    Both sum the same integers: the portable build (forced, in a process with a cache of its own)
+    gives bit-identical outputs."""
+    if not cpu_kernels.PMADDWD:
+        pytest.skip("this CPU has no AVX2: only the portable path runs here")
+    code = (
+        "import numpy as np, sys, torch; from kvgen.engine import cpu_kernels; "
+        "from kvgen.engine.blocks import BlockLinear, Blocks; "
+        "from tests.engine.test_blocks import TYPES, quantized; assert not cpu_kernels.PMADDWD; "
+        "x = torch.randn(5, 160, generator=torch.Generator().manual_seed(9)); "
+        "out = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
+        "for q in TYPES for r in (1, 5)]; torch.save(out, sys.argv[1])")
+    with tempfile.TemporaryDirectory() as d:
+        env = dict(os.environ, KVGEN_PORTABLE_KERNELS="1", NUMBA_CACHE_DIR=d)
+        subprocess.run([sys.executable, "-c", code, f"{d}/out.pt"], env=env, check=True, timeout=600,
+                       cwd=Path(__file__).resolve().parents[2])
+        portable = torch.load(f"{d}/out.pt")
+    x = torch.randn(5, 160, generator=torch.Generator().manual_seed(9))
+    native = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r])
+              for q in TYPES for r in (1, 5)]
+    for a, b in zip(native, portable, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -74,7 +141,9 @@ def test_rows_rearrange_and_fuse_like_the_fp32_weights():
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_gguf_weights_compute_the_files_fp32_model(gguf_base, bpe, tmp_path, qtype):  # noqa: F811
     """A quantized GGUF run on its blocks (auto on the CPU) gives the logits of the same file
-    dequantized to fp32, at every position of prefill and decode, to fp32 rounding."""
+    dequantized to fp32, at every position of prefill and decode. Past KERNEL_ROWS rows a prefill
+    multiplies fp32 copies (fp32 rounding, 1e-4); the kernels' rows carry their activations' int16
+    rounding through every layer, so there the logits agree to 1e-3 of their largest."""
     _, cfg, weights, _, _ = gguf_base
     path = tmp_path / f"{qtype.name}.gguf"
     write_gguf(path, cfg, weights, bpe, qtype=qtype)
@@ -83,11 +152,14 @@ def test_gguf_weights_compute_the_files_fp32_model(gguf_base, bpe, tmp_path, qty
     assert blocks_model.weight_dtype == "gguf" and fp32_model.weight_dtype == "fp32"
     assert isinstance(blocks_model.layers[0].qkv, BlockLinear) and isinstance(blocks_model.lm_head, BlockLinear)
     for ids in token_sequences(cfg.vocab_size, bpe)[1:]:
-        torch.testing.assert_close(all_logits(blocks_model, ids), all_logits(fp32_model, ids), rtol=1e-4, atol=1e-4)
+        whole = all_logits(blocks_model, ids), all_logits(fp32_model, ids)
+        if len(ids) > KERNEL_ROWS:
+            torch.testing.assert_close(*whole, rtol=1e-4, atol=1e-4)
         decode = chunkings(len(ids))[1]  # prefill 10, a chunk of 7, then one-row steps (the kernels)
-        got, _ = logits_at_chunk_ends(blocks_model, ids, decode)
-        want, _ = logits_at_chunk_ends(fp32_model, ids, decode)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        chunked = logits_at_chunk_ends(blocks_model, ids, decode)[0], logits_at_chunk_ends(fp32_model, ids, decode)[0]
+        for got, want in (whole, chunked):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
+            assert (got.argmax(-1) == want.argmax(-1)).all()
 
 
 def test_weight_dtype_auto_and_gguf_choice(gguf_base):  # noqa: F811

@@ -19,6 +19,14 @@ from tests.engine.test_oracle import RAW, hf_greedy
 from tests.tiny import write_gguf
 
 
+def assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal up to the kernels' int16 activations: the fused step and Model.forward differ in the
+    order of their fp32 sums (norms, attention), and an ulp there can move an activation's int16
+    rounding by a step (2^-15 of its block's largest), which later layers carry. These tests'
+    steps measured up to 4e-4 of the largest value; a wrong cache slot or weight is far more."""
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-3 * want.abs().max().item())
+
+
 @pytest.fixture(scope="module")
 def q4_model(gguf_base, bpe):  # noqa: F811
     d, cfg, weights, _, _ = gguf_base
@@ -54,12 +62,11 @@ def test_every_decode_step_equals_the_forward(q4_model):
                     is_decode=True)
         want = m.forward(torch.tensor([ids[pos]]), step, fmt, pools[0].store)
         got = fused([(ids[pos], pos, caches[1].blocks)], pools[1].store)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        assert_near(got, want)
         for c in caches:
             c.advance(1)
     used = caches[0].blocks
-    torch.testing.assert_close(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][used],
-                               rtol=1e-5, atol=1e-5)
+    assert_near(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][used])
 
 
 def prefill(model, fmt, pool, ids) -> PagedKVCache:
@@ -82,7 +89,7 @@ def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(3, cfg.vocab_size, (14 + 3 * i,), generator=g).tolist() for i in range(rows)]
     nxt = torch.randint(3, cfg.vocab_size, (rows,), generator=g).tolist()
-    pools = [BlockPool(fmt, 4 * rows) for _ in range(2)]
+    pools = [BlockPool(fmt, 8 * rows) for _ in range(2)]
     caches = [[prefill(m, fmt, pool, p) for p in prompts] for pool in pools]
     ref = caches[0]
     blocks, offsets = zip(*[c.slots(c.length, 1) for c in ref], strict=True)
@@ -93,9 +100,29 @@ def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
                 logits_rows=None, is_decode=True)
     want = m.forward(torch.tensor(nxt), step, fmt, pools[0].store)
     got = FusedDecode(m)([(t, c.length, c.blocks) for t, c in zip(nxt, caches[1], strict=True)], pools[1].store)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert_near(got, want)
     for a, b in zip(caches[0], caches[1], strict=True):
-        torch.testing.assert_close(pools[1].store["kv"][b.blocks], pools[0].store["kv"][a.blocks], rtol=1e-5, atol=1e-5)
+        assert_near(pools[1].store["kv"][b.blocks], pools[0].store["kv"][a.blocks])
+
+
+def test_a_rows_logits_do_not_depend_on_the_others_in_a_fused_step(q4_model):
+    """Every op of the fused step is per row (the kernels' integer sums are exact, their fp32
+    scaling and every norm and attention loop run row by row), so a sequence's logits and K/V are
+    bit-identical decoded alone, beside 4 others, and beside MAX_ROWS - 1 others in any order."""
+    m, cfg = q4_model, q4_model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, cfg.vocab_size, (9 + 2 * i,), generator=g).tolist() for i in range(MAX_ROWS)]
+    nxt = torch.randint(3, cfg.vocab_size, (MAX_ROWS,), generator=g).tolist()
+    fused = FusedDecode(m)
+    results = []
+    for order in ([0], [3, 0, 1, 2, 4], list(range(MAX_ROWS))[::-1]):
+        pool = BlockPool(fmt, 4 * MAX_ROWS)
+        caches = {i: prefill(m, fmt, pool, prompts[i]) for i in order}
+        logits = fused([(nxt[i], caches[i].length, caches[i].blocks) for i in order], pool.store)
+        results.append((logits[order.index(0)], pool.store["kv"][caches[0].blocks]))
+    for logits, kv in results[1:]:
+        assert torch.equal(logits, results[0][0]) and torch.equal(kv, results[0][1])
 
 
 def test_the_runner_fuses_only_what_it_supports(q4_model):

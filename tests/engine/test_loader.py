@@ -370,10 +370,13 @@ def test_gguf_quantized_types_dequantize(gguf_base, f32_logits, bpe, qtype):
     rel, worst, agree = logits_error(model, f32_logits, bpe)
     assert rel < logit_bound and agree >= argmax_bound, \
         f"{qtype.name}: logits rel err {rel:.3g}, max |diff| {worst:.3g}, argmax agreement {agree:.3f}"
-    # the chunked path (prefill 10, chunk 7, decode) reads the same weights
+    # the chunked path (prefill 10, chunk 7, decode) reads the same weights; where the weights stay
+    # in blocks (Q4_0 / Q4_1 / Q8_0), those short steps round activations to int16 (test_blocks.py)
     ids = token_sequences(cfg.vocab_size, bpe)[2]
     ours, ends = logits_at_chunk_ends(model, ids, chunkings(len(ids))[1])
-    assert torch.allclose(ours, all_logits(model, ids)[ends], atol=1e-4)
+    whole = all_logits(model, ids)[ends]
+    tol = 1e-3 * whole.abs().max().item() if model.weight_dtype == "gguf" else 1e-4
+    torch.testing.assert_close(ours, whole, rtol=0, atol=tol)
 
 
 def test_bounds_reject_wrong_layouts(gguf_base, f32_logits, bpe):
