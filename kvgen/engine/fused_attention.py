@@ -224,11 +224,12 @@ def _load(c, layer, kv, b, h, n, tile):  # pragma: no cover - compiled
     else:  # q4 values: one scale per token and group
         vs, group = c[VSCALE], c[GROUP]
         for t in range(n):
-            for j in range(hd // 2):
-                byte = codes[b, layer, 1, t, h, j]
-                s = f16[vs[b, layer, t, h, (2 * j) // group]]
-                tile[t, 2 * j] = np.float32(np.int32(byte & 15) - 8) * s
-                tile[t, 2 * j + 1] = np.float32(np.int32(byte >> 4) - 8) * s
+            for gi in range(hd // group):
+                s = f16[vs[b, layer, t, h, gi]]
+                for j in range(gi * group // 2, (gi + 1) * group // 2):
+                    byte = codes[b, layer, 1, t, h, j]
+                    tile[t, 2 * j] = np.float32(np.int32(byte & 15) - 8) * s
+                    tile[t, 2 * j + 1] = np.float32(np.int32(byte >> 4) - 8) * s
     if first.shape[0] and first[b] >= 0 and n:
         tile[0] = sink[first[b], layer, kv, h]
 
