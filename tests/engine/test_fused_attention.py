@@ -216,3 +216,29 @@ def test_the_runner_fuses_fp8_and_q4_but_not_q3(q4_model):  # noqa: F811
     # a format computing in bf16 (its exact rows too) is left to the forward
     fmt = make_format("q4", cfg.num_layers, BS, cfg.num_kv_heads, cfg.head_dim, compute_dtype=torch.bfloat16)
     assert not FusedDecode.supports(m, fmt)
+
+
+@pytest.mark.parametrize("kv", ["fp8", "q4"])
+def test_the_engine_decodes_the_same_tokens_fused(q4_model, bpe, kv):  # noqa: F811
+    """Through the Generator (the runner's call, the pool freeing blocks, the exact tail as the
+    Generator sizes it): greedy tokens over a quantized KV equal those of Model.forward's steps."""
+    from kvgen.engine.generator import EngineOptions, Generator
+    from kvgen.engine.sampling import SamplingParams
+    from kvgen.engine.tokenizer import TextTokenizer
+    from tests.tiny import CHATML_TEMPLATE
+
+    tok = TextTokenizer(bpe, CHATML_TEMPLATE, bos_id=None, add_bos=False, special_ids={0, 1, 2},
+                        eos_token="<|im_end|>")
+    params = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    prompts = [list(range(3, 30)), list(range(40, 47))]
+    out = []
+    for fused in (True, False):
+        g = Generator(q4_model, tok, EngineOptions(kv_dtype=kv, prefix_cache=False))
+        try:
+            assert g.engine.runner.fused is not None and g.engine.runner.fmt.recent_slots
+            if not fused:
+                g.engine.runner.fused = None
+            out.append([g.generate(p, params).token_ids for p in prompts])
+        finally:
+            g.close()
+    assert out[0] == out[1]
