@@ -31,10 +31,8 @@ caches the compiled kernels per CPU, so a cache made on one CPU is not used on a
 The kernels release the GIL (nogil): the engine thread runs them while the server's event loop
 goes on serving other calls, as it does during torch's ops.
 
-Numba's disk cache checks only the source file of the function it caches, and a cached caller
-holds its callees' code (fused_decode's step holds these kernels): after a change here the caller's
-cache would run the old kernels over the new layout. So the cache lives in a folder named by a hash
-of the engine's sources and of the code path (`_cache_dir`): any change starts a new one.
+Numba's disk cache for these kernels lives in a folder named by a hash of the engine's sources
+and of the code path (numba_cache.py says why).
 
 Threads: the kernels run on Numba's OpenMP layer. It links the system's libgomp by a file name
 torch's bundled copy does not answer to, so the engine thread holds two worker pools, torch's and
@@ -44,9 +42,7 @@ step runs almost nothing in torch, so there the two pools do not compete.
 
 from __future__ import annotations
 
-import hashlib
 import os
-from pathlib import Path
 
 import numba
 import numpy as np
@@ -54,6 +50,8 @@ from llvmlite import binding, ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from kvgen.engine import numba_cache
 
 # Output rows per tile: 8 rows of int32 sums per vector, 8 vectors (the tile's rows) per block
 # live in registers across the block's 16 pairs of inputs.
@@ -66,21 +64,9 @@ binding.initialize_native_target()
 PMADDWD = ("+avx2" in binding.get_host_cpu_features().flatten().split(",")
            and os.environ.get("KVGEN_PORTABLE_KERNELS", "") != "1")
 
-
-
-def _cache_dir() -> str:
-    """~/.cache/kvgen/numba-<hash of kvgen/engine's sources, the code path, Numba's version>."""
-    h = hashlib.sha256(f"{numba.__version__} {PMADDWD}".encode())
-    for f in sorted(Path(__file__).parent.rglob("*.py")):
-        h.update(f.read_bytes())
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return str(root / "kvgen" / f"numba-{h.hexdigest()[:16]}")
-
-
-# Before any cached function is defined (fused_decode imports this module first). NUMBA_CACHE_DIR,
-# where set, wins.
-if not os.environ.get("NUMBA_CACHE_DIR"):
-    numba.config.CACHE_DIR = _cache_dir()
+# Before any cached function is defined (numba_cache.py says why); the salt keeps the portable
+# and the pmaddwd builds apart.
+numba_cache.use_cache_dir(f"pmaddwd={PMADDWD}")
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _BYTES16, _WORDS16, _INTS8 = ir.VectorType(_I8, 16), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)

@@ -1,4 +1,4 @@
-"""A decode step of a few sequences as one Numba call, for gguf weights over a plain fp32 KV cache.
+"""A decode step of a few sequences as one Numba call, for gguf weights over an fp32, fp8 or q4 KV cache.
 
 At batch 1 on a small model, torch's per-op dispatch is a third of the step: Model.forward issues
 ~30 ops per layer (norms, RoPE, the cache write and read, attention, the activation, residuals)
@@ -6,8 +6,8 @@ around its four matmuls, each a few microseconds of bookkeeping for a few hundre
 This is the same layer loop (model.py is the reference it is tested against) with every op a
 loop in one compiled function, the matmuls being cpu_kernels' block kernels: the step costs the
 weights' bytes and little else. It runs the steps it can (model_runner decides): up to MAX_ROWS
-sequences of one new token each, fp32 keys and values, no window or chunk, no bias; every other
-step takes Model.forward.
+sequences of one new token each, fp32 keys and values (or fp8 / q4, which fused_attention.py
+writes and reads), no window or chunk, no bias; every other step takes Model.forward.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kvgen.engine import cpu_kernels
+from kvgen.engine import cpu_kernels, fused_attention
 from kvgen.engine.blocks import GROUP, KERNEL_ROWS, BlockLinear
 
 MAX_ROWS = KERNEL_ROWS  # past it Model.forward's fp32 matmuls are faster than the block kernels
@@ -86,7 +86,7 @@ def _q4(x, w, layer, y):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _step(tokens, positions, tables, kv, embed, ln1, ln2, norm, qkv, o, gate_up, down, head, head_q4,
+def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gate_up, down, head, head_q4,
           cos, sin, eps, heads, kv_heads, head_dim, inter, logits):  # pragma: no cover - compiled
     rows, hidden = tokens.shape[0], embed.shape[1]
     h = np.empty((rows, hidden), np.float32)
@@ -110,11 +110,21 @@ def _step(tokens, positions, tables, kv, embed, ln1, ln2, norm, qkv, o, gate_up,
             b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
             for hd in range(heads + kv_heads):  # q heads then k heads: adjacent in the fused output
                 _rope(q, hd, cos[pos], sin[pos])
+            if kvq[fused_attention.KIND] != fused_attention.PLAIN:  # fp8 / q4 (fused_attention.py)
+                qk = kvq[fused_attention.QK]
+                if qk.shape[0]:  # key channels equalised: queries times the scale, keys by it
+                    for i in range(nq + nk):
+                        q[i] *= qk[layer, i // head_dim, i % head_dim]
+                fused_attention.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
+                continue
             for kh in range(kv_heads):
                 for i in range(head_dim):
                     kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
                     kv[b, layer, 1, off, kh, i] = q[nq + nk + kh * head_dim + i]
-        _attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att)
+        if kvq[fused_attention.KIND] == fused_attention.PLAIN:
+            _attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att)
+        else:
+            fused_attention.attend(qkv_out, kvq, layer, tables, positions, heads, kv_heads, head_dim, block, att)
         _q4(att, o, layer, o_out)
         for r in range(rows):
             for i in range(hidden):
@@ -147,6 +157,20 @@ def _stack(linears: list[BlockLinear]) -> tuple:
     return stacks
 
 
+class _PLAIN:  # what cache_tuple needs to know of the plain fp32 format
+    name, recent_slots, qk_scale = "fp32", 0, None
+
+
+def _supports_kv(fmt) -> bool:
+    """fp32 (nothing held exact, no key equalisation), or fp8 / q4 (fused_attention.py), with or
+    without ExactTail and key equalisation, computing in fp32."""
+    name = getattr(fmt, "name", "")
+    if name == "fp32":
+        return not fmt.recent_slots and fmt.qk_scale is None
+    return (name in ("fp8", "q4") and fmt.compute_dtype == torch.float32
+            and (fmt.qk_scale is None or fmt.qk_scale.dtype == torch.float32))
+
+
 class FusedDecode:
     """Model.forward for a decode step of up to MAX_ROWS sequences, as one compiled call.
     `supports(model, fmt)` says whether a model and KV format can run it."""
@@ -157,7 +181,7 @@ class FusedDecode:
         return (model.device.type == "cpu" and model.weight_dtype == "gguf"
                 and all(isinstance(lin, BlockLinear) and lin.kind == "q4" and lin.b is None for lin in lins)
                 and isinstance(model.lm_head, BlockLinear) and model.lm_head.b is None
-                and getattr(fmt, "name", "") == "fp32" and not fmt.recent_slots and fmt.qk_scale is None
+                and _supports_kv(fmt)
                 and model.cfg.hidden_size % GROUP == 0 and model.cfg.intermediate_size % GROUP == 0)
 
     def __init__(self, model):
@@ -178,6 +202,7 @@ class FusedDecode:
         self.head_q4 = head.kind == "q4"
         self.vocab = head.out_features
         self.padded_vocab = head.d.shape[0] * head.d.shape[-1]
+        self._plain = fused_attention.cache_tuple(_PLAIN, {})
         self.cos = np.ascontiguousarray(model.rot.real.numpy())
         self.sin = np.ascontiguousarray(model.rot.imag.numpy())
 
@@ -189,10 +214,19 @@ class FusedDecode:
         self([(0, 0, [0]), (0, 1, [0])], {"kv": kv})
         self([(0, 0, [0])], {"kv": kv})
 
-    def __call__(self, rows: list[tuple[int, int, list[int]]], store: dict) -> torch.Tensor:
+    def __call__(self, rows: list[tuple[int, int, list[int]]], store: dict, fmt=None) -> torch.Tensor:
         """rows: (token, position, block table) per sequence. Logits [len(rows), vocab] of each
-        row's token; writes their K/V into the store's fp32 pool."""
+        row's token; writes their K/V into the store, of format fmt (None: plain fp32)."""
         cfg = self.cfg
+        if fmt is None or fmt.name == "fp32":
+            kv, kvq = store["kv"].numpy(), self._plain
+        else:
+            bs = fmt.block_size
+            if fmt.recent_slots:  # ExactTail's slots and flushes on the host, as for the GPU kernels
+                fmt.prepare_decode(store, [blocks[pos // bs] for _, pos, blocks in rows],
+                                   [pos % bs for _, pos, _ in rows], [pos for _, pos, _ in rows])
+            kvq = fused_attention.cache_tuple(fmt, store)
+            kv = np.empty((0, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim), np.float32)
         width = max(len(blocks) for _, _, blocks in rows)
         tables = np.zeros((len(rows), width), np.int64)
         for i, (_, _, blocks) in enumerate(rows):
@@ -200,7 +234,7 @@ class FusedDecode:
         tokens = np.array([t for t, _, _ in rows], np.int64)
         positions = np.array([p for _, p, _ in rows], np.int64)
         logits = np.empty((len(rows), self.padded_vocab), np.float32)
-        _step(tokens, positions, tables, store["kv"].numpy(), self.embed, self.ln1, self.ln2,
+        _step(tokens, positions, tables, kv, kvq, self.embed, self.ln1, self.ln2,
               self.norm, self.qkv, self.o, self.gate_up, self.down, self.head, self.head_q4, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
               logits)

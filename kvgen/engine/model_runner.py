@@ -140,7 +140,7 @@ class ModelRunner:
         if self.fuses(len(wanted)) and not self.keep_features and all(
                 n == 1 and not m and not seq.draft and seq.cache.kv_start == 0 for seq, n, m in wanted):
             logits = self.fused([(seq.tokens[seq.cache.length], seq.cache.length, seq.cache.blocks)
-                                 for seq, _, _ in wanted], self.store)
+                                 for seq, _, _ in wanted], self.store, self.fmt)
         elif self.kernel_attention is not None and not self.keep_features and all(
                 n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)
