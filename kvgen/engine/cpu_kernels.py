@@ -42,8 +42,6 @@ step runs almost nothing in torch, so there the two pools do not compete.
 
 from __future__ import annotations
 
-import os
-
 import numba
 import numpy as np
 from llvmlite import binding, ir
@@ -59,14 +57,15 @@ TILE = 64
 ROWS_AT_ONCE = 4  # activation rows that share one conversion of the weight codes
 numba.config.THREADING_LAYER = "omp"  # the same runtime kind as torch's (see Threads above)
 
-# KVGEN_PORTABLE_KERNELS=1 compiles the portable pattern on an AVX2 CPU too (the tests compare them).
+# The features Numba compiles for: the host's, or NUMBA_CPU_FEATURES where set (the tests build
+# the portable pattern on an AVX2 CPU that way, with "-avx2").
 binding.initialize_native_target()
-PMADDWD = ("+avx2" in binding.get_host_cpu_features().flatten().split(",")
-           and os.environ.get("KVGEN_PORTABLE_KERNELS", "") != "1")
+FEATURES = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
+PMADDWD = "+avx2" in FEATURES.split(",")
 
-# Before any cached function is defined (numba_cache.py says why); the salt keeps the portable
-# and the pmaddwd builds apart.
-numba_cache.use_cache_dir(f"pmaddwd={PMADDWD}")
+# Before any cached function is defined (numba_cache.py says why); the salt keeps builds for
+# different features apart.
+numba_cache.use_cache_dir(FEATURES)
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _BYTES16, _WORDS16, _INTS8 = ir.VectorType(_I8, 16), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)

@@ -5,13 +5,12 @@ holds its callees' code (fused_decode's step holds cpu_kernels' matmuls and fuse
 loops): after a change in a callee's file the caller's cache would still run the old code, over
 arrays laid out the new way. A folder per hash of every file in kvgen/engine (and of the kernels'
 code path and Numba's version) makes any change start a new cache. Every module that defines a
-cached kernel imports this one first; NUMBA_CACHE_DIR, where set, wins.
+cached kernel imports this one first; NUMBA_CACHE_DIR, where set, wins (Numba reads it).
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import numba
@@ -22,12 +21,11 @@ def cache_dir(salt: str) -> str:
     h = hashlib.sha256(f"{numba.__version__} {salt}".encode())
     for f in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(f.read_bytes())
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return str(root / "kvgen" / f"numba-{h.hexdigest()[:16]}")
+    return str(Path.home() / ".cache" / "kvgen" / f"numba-{h.hexdigest()[:16]}")
 
 
 def use_cache_dir(salt: str = "") -> None:
     """Point Numba's cache at cache_dir(salt), unless NUMBA_CACHE_DIR says otherwise. Call before
     any cached function is defined (the locator is chosen when the function is decorated)."""
-    if not os.environ.get("NUMBA_CACHE_DIR"):
+    if not numba.config.CACHE_DIR:
         numba.config.CACHE_DIR = cache_dir(salt)

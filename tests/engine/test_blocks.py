@@ -92,8 +92,8 @@ def test_many_rows_are_the_fp32_matmul(qtype, rows):
 
 def test_portable_kernels_give_the_same_bits():
     """On a CPU with AVX2 the kernels call pmaddwd; elsewhere LLVM lowers a portable multiply-add.
-    Both sum the same integers: the portable build (forced, in a process with a cache of its own)
-    gives bit-identical outputs."""
+    Both sum the same integers: a build for this CPU without AVX2 (NUMBA_CPU_FEATURES, in a
+    process with a cache of its own) gives bit-identical outputs."""
     if not cpu_kernels.PMADDWD:
         pytest.skip("this CPU has no AVX2: only the portable path runs here")
     code = (
@@ -104,7 +104,8 @@ def test_portable_kernels_give_the_same_bits():
         "out = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
         "for q in TYPES for r in (1, 5)]; torch.save(out, sys.argv[1])")
     with tempfile.TemporaryDirectory() as d:
-        env = dict(os.environ, KVGEN_PORTABLE_KERNELS="1", NUMBA_CACHE_DIR=d)
+        features = cpu_kernels.FEATURES.replace("+avx2", "-avx2")
+        env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=d)
         subprocess.run([sys.executable, "-c", code, f"{d}/out.pt"], env=env, check=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[2])
         portable = torch.load(f"{d}/out.pt")
