@@ -39,7 +39,9 @@ FORMATS = {"fp32": PLAIN, "fp8": FP8, "q4": Q4}
 
 # Decoded value of every fp8 (E4M3) byte and every float16 bit pattern, as torch converts them.
 E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float().numpy()
-F16 = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.float16).float().numpy()
+# numpy, not torch, for the 65,536: a torch op that large runs on a worker pool of the importing
+# thread, and a second pool slows every parallel step of the engine's (threads.py).
+F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 # Positions in the Cache tuple.
 KIND, CODES, SCALE, VSCALE, KSCALE, ROWS, RECENT, SINK, FIRST, QK, GROUP, LUT8, LUT16 = range(13)
