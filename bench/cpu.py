@@ -120,7 +120,7 @@ def main() -> None:
     torch.set_num_threads(cores)
     prompt = peers.prompt_ids(512)
     fid = fidelity_prompts()
-    auto = auto_choice()
+    auto = in_fresh_thread(auto_choice)  # loading on this thread leaves a torch pool here (threads.py)
     lines = ["# CPU benchmark\n",
              f"{datetime.date.today()} · {peers.cpu_name()} · {cores} cores · "
              f"torch {torch.__version__} · model SmolLM2-135M-Instruct Q4_1 GGUF\n",
