@@ -1,0 +1,60 @@
+"""Importing the engine must not open a torch (OpenMP) worker pool on the importing thread.
+
+threads.py says why: a second libgomp pool (the importing thread's, next to the engine thread's)
+made every fused decode step ~2.5x slower on 2 cores. It happened once through a torch op over
+65,536 values run at import (fused_attention's float16 table); this test would have caught it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvgen.engine.threads import in_fresh_thread
+
+_COUNT = """
+import importlib, os, pkgutil
+import torch
+torch.set_num_threads(2)  # a pool, if one opens, has a worker to show for it
+before = len(os.listdir("/proc/self/task"))
+{body}
+print(before, len(os.listdir("/proc/self/task")))
+"""
+
+_IMPORT_ENGINE = """
+import kvgen.engine
+for m in pkgutil.walk_packages(kvgen.engine.__path__, "kvgen.engine."):
+    importlib.import_module(m.name)
+"""
+
+
+def _threads(body: str) -> tuple[int, int]:
+    out = subprocess.run([sys.executable, "-c", _COUNT.format(body=body)], capture_output=True, text=True,
+                         check=True, timeout=300)
+    before, after = out.stdout.split()[-2:]
+    return int(before), int(after)
+
+
+def test_a_large_torch_op_on_the_importing_thread_opens_a_pool():
+    """The check below can fail: the same count sees the pool a large op opens."""
+    before, after = _threads("torch.arange(65536, dtype=torch.float32).exp().sum()")
+    assert after > before
+
+
+def test_importing_every_engine_module_opens_no_thread():
+    before, after = _threads(_IMPORT_ENGINE)
+    assert after == before, f"importing kvgen.engine started {after - before} threads"
+
+
+def test_in_fresh_thread_returns_the_result_and_raises_the_error():
+    assert in_fresh_thread(lambda a, b=0: a + b, 2, b=3) == 5
+
+    def boom():
+        raise KeyError("x")
+
+    try:
+        in_fresh_thread(boom)
+    except KeyError as e:
+        assert e.args == ("x",)
+    else:
+        raise AssertionError("the error was not raised")
