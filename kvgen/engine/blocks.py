@@ -80,11 +80,20 @@ class Blocks:
 
 def compile_kernels() -> None:
     """Compile (or load from Numba's on-disk cache) every block kernel once, on tiny arrays, so
-    that model loading pays for it and not the first request (tens of seconds on a fresh machine)."""
-    xq, dx, xs = cpu_kernels.quantize(np.zeros((1, GROUP), np.float32))
-    y, d = np.zeros((1, TILE), np.float32), np.zeros((1, 1, TILE), np.float32)
-    cpu_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y)
-    cpu_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y)
+    that model loading pays for it and not the first request (tens of seconds on a fresh machine).
+
+    The parallel kernels come first, each for both code types (fused_decode's step compiles its
+    head's call to either kernel with the head's codes): a cached function that calls a parallel
+    one segfaults when a process loads it from the cache before the callee (numba/numba#8578,
+    reproduced here with q4_linear over q4_matmul), so every process loads the callees first."""
+    x = np.zeros((1, GROUP), np.float32)
+    y, d, room = np.zeros((1, TILE), np.float32), np.zeros((1, 1, TILE), np.float32), cpu_kernels.scratch(1, GROUP)
+    xq, dx, xs = cpu_kernels.quantize(x)
+    for codes in (np.zeros((1, 1, 16, TILE, 2), np.uint8), np.zeros((1, 1, 16, TILE, 2), np.int8)):
+        cpu_kernels.q4_matmul(xq, dx, xs, codes, d, d, y)  # (16 pairs: room for either kernel's reads)
+        cpu_kernels.q8_matmul(xq, dx, codes, d, y)
+    cpu_kernels.q4_linear(x, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y, room)
+    cpu_kernels.q8_linear(x, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y, room)
 
 
 class BlockLinear:
@@ -115,12 +124,13 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > KERNEL_ROWS:
             return torch.nn.functional.linear(x, self.fp32, self.b)
-        xq, dx, xs = cpu_kernels.quantize(x.float().contiguous().numpy())
+        x = x.float().contiguous().numpy()
         y = np.empty((x.shape[0], self.d.shape[0] * TILE), np.float32)
+        room = cpu_kernels.scratch(*x.shape)
         if self.kind == "q4":
-            cpu_kernels.q4_matmul(xq, dx, xs, self.qs, self.d, self.m, y)
+            cpu_kernels.q4_linear(x, self.qs, self.d, self.m, y, room)
         else:
-            cpu_kernels.q8_matmul(xq, dx, self.qs, self.d, y)
+            cpu_kernels.q8_linear(x, self.qs, self.d, y, room)
         out = torch.from_numpy(y)
         if y.shape[1] != self.out_features:
             out = out[:, :self.out_features]

@@ -55,6 +55,9 @@ from kvgen.engine import numba_cache
 # live in registers across the block's 16 pairs of inputs.
 TILE = 64
 ROWS_AT_ONCE = 4  # activation rows that share one conversion of the weight codes
+# A call splits its tiles in at most this many runs of consecutive tiles, one per thread, so a
+# thread allocates its scratch once per call: allocating it per tile cost ~20% of a batch-1 step.
+PARTS = numba.config.NUMBA_NUM_THREADS
 numba.config.THREADING_LAYER = "omp"  # the same runtime kind as torch's (see Threads above)
 
 # The features Numba compiles for: the host's, or NUMBA_CPU_FEATURES where set (the tests build
@@ -65,7 +68,7 @@ PMADDWD = "+avx2" in FEATURES.split(",")
 
 # Before any cached function is defined (numba_cache.py says why); the salt keeps builds for
 # different features apart.
-numba_cache.use_cache_dir(FEATURES)
+numba_cache.use_cache_dir(f"{FEATURES} parts={PARTS}")
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _BYTES16, _WORDS16, _INTS8 = ir.VectorType(_I8, 16), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
@@ -147,10 +150,23 @@ _q8_1, _q8_2, _q8_3, _q8_4 = (_tile_dots("q8", n) for n in range(1, ROWS_AT_ONCE
 @njit(cache=True, nogil=True)
 def quantize(x):  # pragma: no cover - compiled
     """x [M, K] float32 -> (xq [M, K] int16, dx [M, K/32] scales, xs [M, K/32] fp32 block sums)."""
+    xq, dx, xs = scratch(x.shape[0], x.shape[1])
+    return _round(x, xq, dx, xs)
+
+
+@njit(cache=True, nogil=True)
+def scratch(rows, k):  # pragma: no cover - compiled
+    """Room for `rows` rounded activations of up to k inputs: what the linears below write x into
+    (flat, so one scratch serves every width; a decode step reuses it across its matmuls)."""
+    return np.empty(rows * k, np.int16), np.empty(rows * (k // 32), np.float32), np.empty(rows * (k // 32), np.float32)
+
+
+@njit(cache=True, nogil=True)
+def _round(x, xq, dx, xs):  # pragma: no cover - compiled
+    """quantize(x) into the front of the flat scratch arrays; returns them as [M, K], [M, K/32] x2."""
     rows, groups = x.shape[0], x.shape[1] // 32
-    xq = np.empty(x.shape, np.int16)
-    dx = np.empty((rows, groups), np.float32)
-    xs = np.empty((rows, groups), np.float32)
+    xq, dx, xs = xq[:x.size].reshape(x.shape), dx[:rows * groups].reshape((rows, groups)), \
+        xs[:rows * groups].reshape((rows, groups))
     for r in range(rows):
         for g in range(groups):
             top, total = np.float32(0), np.float32(0)
@@ -163,6 +179,21 @@ def quantize(x):  # pragma: no cover - compiled
             for j in range(g * 32, g * 32 + 32):
                 xq[r, j] = np.int16(round(x[r, j] * inv))
     return xq, dx, xs
+
+
+@njit(cache=True, nogil=True)
+def q4_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
+    """y = x W^T for a Q4_0 / Q4_1 weight in blocks: x rounded to int16 into room (a scratch),
+    then the block kernel."""
+    xq, dx, xs = _round(x, room[0], room[1], room[2])
+    q4_matmul(xq, dx, xs, qs, d, m, y)
+
+
+@njit(cache=True, nogil=True)
+def q8_linear(x, qs, d, y, room):  # pragma: no cover - compiled
+    """y = x W^T for a Q8_0 weight in blocks (as q4_linear)."""
+    xq, dx, _ = _round(x, room[0], room[1], room[2])
+    q8_matmul(xq, dx, qs, d, y)
 
 
 @njit(nogil=True, inline="always")
@@ -204,21 +235,23 @@ def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
     _check(xq, qs, y)
     codes, flat = qs.reshape(-1), xq.reshape(-1)  # both C-contiguous
     per_block = codes.size // (tiles * groups)
-    for t in prange(tiles):
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
         dots = np.empty((ROWS_AT_ONCE, TILE), np.int32)
-        acc = np.zeros((rows, TILE), np.float32)
-        for g in range(groups):
-            base = (t * groups + g) * per_block  # the block's codes, read from memory once for all rows
-            for r0 in range(0, rows, ROWS_AT_ONCE):
-                n = min(ROWS_AT_ONCE, rows - r0)
-                _q4_dots(n, codes, base, flat, r0 * k + g * 32, k, dots)
-                for i in range(n):
-                    sc, sx = dx[r0 + i, g], xs[r0 + i, g]
-                    for c in range(TILE):
-                        acc[r0 + i, c] += d[t, g, c] * (sc * np.float32(dots[i, c])) + m[t, g, c] * sx
-        for r in range(rows):
-            for c in range(TILE):
-                y[r, t * TILE + c] = acc[r, c]
+        acc = np.empty((rows, TILE), np.float32)
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            acc[:] = 0
+            for g in range(groups):
+                base = (t * groups + g) * per_block  # the block's codes, read from memory once for all rows
+                for r0 in range(0, rows, ROWS_AT_ONCE):
+                    n = min(ROWS_AT_ONCE, rows - r0)
+                    _q4_dots(n, codes, base, flat, r0 * k + g * 32, k, dots)
+                    for i in range(n):
+                        sc, sx = dx[r0 + i, g], xs[r0 + i, g]
+                        for c in range(TILE):
+                            acc[r0 + i, c] += d[t, g, c] * (sc * np.float32(dots[i, c])) + m[t, g, c] * sx
+            for r in range(rows):
+                y[r, t * TILE:(t + 1) * TILE] = acc[r]
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -228,18 +261,20 @@ def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
     _check(xq, qs, y)
     codes, flat = qs.reshape(-1), xq.reshape(-1)
     per_block = codes.size // (tiles * groups)
-    for t in prange(tiles):
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
         dots = np.empty((ROWS_AT_ONCE, TILE), np.int32)
-        acc = np.zeros((rows, TILE), np.float32)
-        for g in range(groups):
-            base = (t * groups + g) * per_block
-            for r0 in range(0, rows, ROWS_AT_ONCE):
-                n = min(ROWS_AT_ONCE, rows - r0)
-                _q8_dots(n, codes, base, flat, r0 * k + g * 32, k, dots)
-                for i in range(n):
-                    sc = dx[r0 + i, g]
-                    for c in range(TILE):
-                        acc[r0 + i, c] += d[t, g, c] * (sc * np.float32(dots[i, c]))
-        for r in range(rows):
-            for c in range(TILE):
-                y[r, t * TILE + c] = acc[r, c]
+        acc = np.empty((rows, TILE), np.float32)
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            acc[:] = 0
+            for g in range(groups):
+                base = (t * groups + g) * per_block
+                for r0 in range(0, rows, ROWS_AT_ONCE):
+                    n = min(ROWS_AT_ONCE, rows - r0)
+                    _q8_dots(n, codes, base, flat, r0 * k + g * 32, k, dots)
+                    for i in range(n):
+                        sc = dx[r0 + i, g]
+                        for c in range(TILE):
+                            acc[r0 + i, c] += d[t, g, c] * (sc * np.float32(dots[i, c]))
+            for r in range(rows):
+                y[r, t * TILE:(t + 1) * TILE] = acc[r]

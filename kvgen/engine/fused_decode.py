@@ -47,42 +47,43 @@ def _rope(x, head, cos, sin):  # pragma: no cover - compiled
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
 def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  # pragma: no cover
-    """out[r, h] = softmax(q_rh K^T / sqrt(D)) V over row r's cached positions 0..positions[r]."""
+    """out[r, h] = softmax(q_rh K^T / sqrt(D)) V over row r's cached positions 0..positions[r].
+    The (row, head) tasks are cut in one run per thread, whose scratch is allocated once."""
     group = heads // kv_heads
     block = kv.shape[3]
     scale = np.float32(1.0 / math.sqrt(head_dim))
-    for rh in prange(q.shape[0] * heads):
-        r, h = rh // heads, rh % heads
-        kh, n_keys, table = h // group, positions[r] + 1, tables[r]
-        scores = np.empty(n_keys, np.float32)
-        top = np.float32(-np.inf)
-        for p in range(n_keys):
-            b, o = table[p // block], p % block
-            s = np.float32(0)
+    tasks = q.shape[0] * heads
+    longest = 0
+    for r in range(q.shape[0]):
+        longest = max(longest, positions[r] + 1)
+    parts = min(tasks, cpu_kernels.PARTS)
+    for part in prange(parts):
+        scores = np.empty(longest, np.float32)
+        acc = np.empty(head_dim, np.float32)
+        for rh in range(part * tasks // parts, (part + 1) * tasks // parts):
+            r, h = rh // heads, rh % heads
+            kh, n_keys, table = h // group, positions[r] + 1, tables[r]
+            top = np.float32(-np.inf)
+            for p in range(n_keys):
+                b, o = table[p // block], p % block
+                s = np.float32(0)
+                for i in range(head_dim):
+                    s += q[r, h * head_dim + i] * kv[b, layer, 0, o, kh, i]
+                s *= scale
+                scores[p] = s
+                top = max(top, s)
+            total = np.float32(0)
+            for p in range(n_keys):
+                scores[p] = math.exp(scores[p] - top)
+                total += scores[p]
+            acc[:] = 0
+            for p in range(n_keys):
+                b, o = table[p // block], p % block
+                wgt = scores[p] / total
+                for i in range(head_dim):
+                    acc[i] += wgt * kv[b, layer, 1, o, kh, i]
             for i in range(head_dim):
-                s += q[r, h * head_dim + i] * kv[b, layer, 0, o, kh, i]
-            s *= scale
-            scores[p] = s
-            top = max(top, s)
-        total = np.float32(0)
-        for p in range(n_keys):
-            scores[p] = math.exp(scores[p] - top)
-            total += scores[p]
-        acc = np.zeros(head_dim, np.float32)
-        for p in range(n_keys):
-            b, o = table[p // block], p % block
-            wgt = scores[p] / total
-            for i in range(head_dim):
-                acc[i] += wgt * kv[b, layer, 1, o, kh, i]
-        for i in range(head_dim):
-            out[r, h * head_dim + i] = acc[i]
-
-
-@njit(fastmath=True, cache=True, nogil=True)
-def _q4(x, w, layer, y):  # pragma: no cover - compiled
-    """y = x W_layer^T, as BlockLinear computes it (so a row computes the same here as in Model.forward)."""
-    xq, dx, xs = cpu_kernels.quantize(x)
-    cpu_kernels.q4_matmul(xq, dx, xs, w[0][layer], w[1][layer], w[2][layer], y)
+                out[r, h * head_dim + i] = acc[i]
 
 
 @njit(cache=True, nogil=True)
@@ -99,12 +100,13 @@ def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gat
     gu = np.empty((rows, gate_up[1].shape[1] * gate_up[1].shape[-1]), np.float32)
     act = np.empty((rows, inter), np.float32)
     d_out = np.empty((rows, down[1].shape[1] * down[1].shape[-1]), np.float32)
+    room = cpu_kernels.scratch(rows, max(hidden, inter, heads * head_dim))
     block = kv.shape[3]
     nq, nk = heads * head_dim, kv_heads * head_dim
     for layer in range(ln1.shape[0]):
         for r in range(rows):
             _rms_norm(h[r], ln1[layer], eps, x[r])
-        _q4(x, qkv, layer, qkv_out)
+        cpu_kernels.q4_linear(x, qkv[0][layer], qkv[1][layer], qkv[2][layer], qkv_out, room)
         for r in range(rows):
             pos = positions[r]
             b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
@@ -125,27 +127,26 @@ def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gat
             _attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att)
         else:
             fused_attention.attend(qkv_out, kvq, layer, tables, positions, heads, kv_heads, head_dim, block, att)
-        _q4(att, o, layer, o_out)
+        cpu_kernels.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
         for r in range(rows):
             for i in range(hidden):
                 h[r, i] += o_out[r, i]
             _rms_norm(h[r], ln2[layer], eps, x[r])
-        _q4(x, gate_up, layer, gu)
+        cpu_kernels.q4_linear(x, gate_up[0][layer], gate_up[1][layer], gate_up[2][layer], gu, room)
         for r in range(rows):
             for i in range(inter):
                 g = gu[r, i]
                 act[r, i] = g / (np.float32(1) + math.exp(-g)) * gu[r, inter + i]
-        _q4(act, down, layer, d_out)
+        cpu_kernels.q4_linear(act, down[0][layer], down[1][layer], down[2][layer], d_out, room)
         for r in range(rows):
             for i in range(hidden):
                 h[r, i] += d_out[r, i]
     for r in range(rows):
         _rms_norm(h[r], norm, eps, x[r])
-    xq, dx, xs = cpu_kernels.quantize(x)
     if head_q4:
-        cpu_kernels.q4_matmul(xq, dx, xs, head[0], head[1], head[2], logits)
+        cpu_kernels.q4_linear(x, head[0], head[1], head[2], logits, room)
     else:
-        cpu_kernels.q8_matmul(xq, dx, head[0], head[1], logits)
+        cpu_kernels.q8_linear(x, head[0], head[1], logits, room)
 
 
 def _stack(linears: list[BlockLinear]) -> tuple:
@@ -211,6 +212,20 @@ class FusedDecode:
         at start-up rather than on the first request's first decode step."""
         cfg = self.cfg
         kv = torch.zeros((1, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim))
+        # The step's parallel callees first, with the step's argument types: a cached function
+        # loaded before a parallel one it calls segfaults (numba/numba#8578; blocks.compile_kernels
+        # does the same for the block kernels, which model loading ran already). attend reads
+        # a one-block fp8 cache of zeros (the Cache tuple's types are the same for every format).
+        q = np.zeros((1, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim), np.float32)
+        out, tables, positions = np.zeros((1, cfg.num_heads * cfg.head_dim), np.float32), np.zeros((1, 1), np.int64), \
+            np.zeros(1, np.int64)
+        fp8 = list(self._plain)
+        fp8[fused_attention.KIND] = fused_attention.FP8
+        fp8[fused_attention.CODES] = np.zeros(kv.shape, np.uint8)
+        fp8[fused_attention.SCALE] = np.ones(kv.shape[:3] + kv.shape[4:5], np.float32)
+        _attend(q, kv.numpy(), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, out)
+        fused_attention.attend(q, tuple(fp8), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                               16, out)
         self([(0, 0, [0]), (0, 1, [0])], {"kv": kv})
         self([(0, 0, [0])], {"kv": kv})
 

@@ -13,6 +13,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvgen.engine.constraint import Constraint
@@ -141,9 +142,12 @@ def token_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[Sa
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[R, ceil(V/32)] int32 words -> [R, V] bool (bit j of word w allows token 32*w + j)."""
-    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab].bool()
+    """[R, ceil(V/32)] int32 words -> [R, V] bool (bit j of word w allows token 32*w + j).
+    numpy's unpackbits over the words' little-endian bytes: torch's shifts over [R, V/32, 32]
+    int32 took ~25 ms a step for 8 rows of SmolLM2's vocabulary, a fifth of a 16-row step."""
+    words = np.ascontiguousarray(bitmask.numpy()).astype("<i4", copy=False)
+    bits = np.unpackbits(words.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 def adjust(logits: torch.Tensor, params: list[SamplingParams], seen: list[list[int]] | None = None,
@@ -170,8 +174,9 @@ def adjust(logits: torch.Tensor, params: list[SamplingParams], seen: list[list[i
             n = torch.tensor(list(counts.values()), dtype=logits.dtype)
             logits[i, ids] -= n * p.frequency_penalty + p.presence_penalty  # OpenAI's / vLLM's formula
     if masked:
-        allowed = unpack_bitmask(bitmask, logits.shape[1])
-        logits[masked] = logits[masked].masked_fill(~allowed, -math.inf)
+        allowed, view = unpack_bitmask(bitmask, logits.shape[1]).numpy(), logits.numpy()
+        for j, i in enumerate(masked):
+            np.copyto(view[i], -np.inf, where=~allowed[j])
     for i in banning:
         ids = torch.tensor([t for t in stops[i] if t < logits.shape[1]])
         # A constraint that can only end now wins over min_new_tokens: never leave a row nothing.

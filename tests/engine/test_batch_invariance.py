@@ -29,19 +29,20 @@ from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_we
 TARGET = "Once upon a time, in a small village by the sea,"
 SEEDED = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=16, ignore_eos=True)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
-# 8 neighbours: prompts of 1 to ~120 tokens, every kind of sampling, all outliving the target.
+# 8 neighbours: prompts of 1 to ~120 tokens, every kind of sampling, all outliving the target by far
+# (the engine decodes them while the target is still being submitted; they are cancelled after it).
 OTHERS = [
-    ("Hi", SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)),
-    ("The capital of France is", SamplingParams(temperature=1.0, seed=1, max_new_tokens=40, ignore_eos=True)),
-    ("List three colours: " * 8, SamplingParams(temperature=0.7, top_k=20, seed=2, max_new_tokens=56,
+    ("Hi", SamplingParams(temperature=0.0, max_new_tokens=248, ignore_eos=True)),
+    ("The capital of France is", SamplingParams(temperature=1.0, seed=1, max_new_tokens=240, ignore_eos=True)),
+    ("List three colours: " * 8, SamplingParams(temperature=0.7, top_k=20, seed=2, max_new_tokens=256,
                                                 ignore_eos=True)),
-    ("def fib(n):\n    ", SamplingParams(temperature=0.5, top_p=0.9, seed=3, max_new_tokens=44, ignore_eos=True)),
+    ("def fib(n):\n    ", SamplingParams(temperature=0.5, top_p=0.9, seed=3, max_new_tokens=244, ignore_eos=True)),
     ("A long story about a dragon and a knight who became friends. " * 10,
-     SamplingParams(temperature=0.0, repetition_penalty=1.3, max_new_tokens=40, ignore_eos=True)),
-    ("1 2 3 4 5 6 7 8 9", SamplingParams(temperature=1.2, seed=4, max_new_tokens=64, ignore_eos=True)),
+     SamplingParams(temperature=0.0, repetition_penalty=1.3, max_new_tokens=240, ignore_eos=True)),
+    ("1 2 3 4 5 6 7 8 9", SamplingParams(temperature=1.2, seed=4, max_new_tokens=264, ignore_eos=True)),
     ([{"role": "user", "content": "Write a haiku about rain."}],
-     SamplingParams(temperature=0.9, seed=5, max_new_tokens=48, ignore_eos=True)),
-    ("Why is the sky blue?", SamplingParams(temperature=0.8, seed=6, logprobs=3, max_new_tokens=52,
+     SamplingParams(temperature=0.9, seed=5, max_new_tokens=248, ignore_eos=True)),
+    ("Why is the sky blue?", SamplingParams(temperature=0.8, seed=6, logprobs=3, max_new_tokens=252,
                                             ignore_eos=True)),
 ]
 

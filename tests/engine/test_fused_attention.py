@@ -123,7 +123,9 @@ def formats(model, name, slots):
 # (test_fused_decode.assert_near), and a code step of q4 is a fifteenth of its group's range; the two
 # caches then drift apart step by step (q4 without the exact tail over 44 steps: up to 1.0e-2 of
 # the largest logit measured, 3.6e-3 otherwise). Logits agree to 2e-2 of their largest, the
-# cache's floats to 2e-3 of their largest and its codes in nearly every byte; the write and the
+# cache's floats to 2e-3 of their largest and its codes in nearly every byte, what it reads back
+# to 3e-3 on average (fp8 values without the tail measured 1.6e-3 on an AVX-512 CPU, whose wider
+# vectors round the fused step's norms differently; 2.3e-4 at most otherwise); the write and the
 # attention themselves are checked exactly above. A wrong slot or scale is off by far more.
 
 
@@ -133,7 +135,7 @@ def assert_logits_near(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def assert_same_cache(fmts, pools, caches):
     """The two caches hold the same: exact rows and scales within rounding, codes equal but for
-    the odd rounding boundary, and what they read back the same on average to 1e-3."""
+    the odd rounding boundary, and what they read back the same on average to 3e-3."""
     a, b = (tensors(f, p.store) for f, p in zip(fmts, pools, strict=True))
     blocks = [torch.tensor(c.blocks) for c in caches]
     for key in a:
@@ -145,8 +147,8 @@ def assert_same_cache(fmts, pools, caches):
     for layer in range(fmts[0].num_layers):
         ka, va = fmts[0].read(pools[0].store, layer, blocks[0])
         kb, vb = fmts[1].read(pools[1].store, layer, blocks[1])
-        assert (kb - ka).abs().mean() <= 1e-3 * ka.abs().mean()
-        assert (vb - va).abs().mean() <= 1e-3 * va.abs().mean()
+        assert (kb - ka).abs().mean() <= 3e-3 * ka.abs().mean()
+        assert (vb - va).abs().mean() <= 3e-3 * va.abs().mean()
 
 
 @pytest.mark.parametrize("name,slots", VARIANTS)

@@ -158,3 +158,24 @@ def test_min_new_tokens_never_empties_a_constrained_row():
     either[0, 1] = 1  # token 32 too
     out = adjust(logits, [SamplingParams(min_new_tokens=5)], outputs=[[]], stops=[{2}], bitmask=either, masked=[0])
     assert torch.isfinite(out[0]).nonzero()[:, 0].tolist() == [32]
+
+
+def test_a_bitmask_masks_its_rows_as_llguidance_applies_it():
+    """The constraint's mask on some rows of a batch equals llguidance's own application of the
+    same words (its torch reference), and leaves the other rows as they were."""
+    import llguidance.torch
+
+    from kvgen.engine.sampling import adjust
+
+    vocab = 49152 - 7  # the last word covers past the vocabulary
+    logits = torch.randn(5, vocab)
+    words = torch.randint(-2**31, 2**31 - 1, (2, -(-vocab // 32)), dtype=torch.int32, generator=gen(3))
+    words[1, :10] = -1  # whole words allowed, and whole words banned
+    words[1, 10:20] = 0
+    out = adjust(logits, [SamplingParams()] * 5, bitmask=words, masked=[1, 3])
+    want = logits.clone()
+    rows = want[[1, 3]]
+    llguidance.torch.apply_token_bitmask_inplace(rows, words)
+    want[[1, 3]] = rows
+    assert torch.equal(out, want)
+    assert torch.equal(logits[[0, 2, 4]], out[[0, 2, 4]])
