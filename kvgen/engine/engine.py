@@ -56,6 +56,7 @@ class Engine:
                                   max_rows=scheduler.max_running,
                                   width=min(pool.capacity, -(-model.cfg.context_length // pool.block_size)))
         self.masks = Masks(model.cfg.vocab_size, threads=mask_threads)
+        self._ahead = None  # (sequences, future of their masks) started by _mask_ahead for the next step
         # Speculative decoding (kvgen/engine/speculative): a drafter (PromptLookup or DraftModel;
         # None: off for everyone), whether requests that do not say speculate, the longest draft,
         # and the running-batch size above which nobody drafts.
@@ -179,15 +180,25 @@ class Engine:
             if seq.admitted_at is None:
                 seq.admitted_at = t0
         # The rows sampled after this step are those whose pending tokens it covers; their
-        # constraints' masks are computed while the forward pass runs.
+        # constraints' masks were started when the last step emitted their tokens (_mask_ahead),
+        # or are computed now, while the forward pass runs.
         ready = [i for i, (seq, n) in enumerate(batch) if seq.pending == n and not seq.draft]
         drafted = [i for i, (seq, _) in enumerate(batch) if seq.draft]
         masked = [j for j, i in enumerate(ready) if batch[i][0].matcher is not None]
-        masks = self.masks.start([batch[ready[j]][0].matcher for j in masked]) if masked else None
+        ahead, self._ahead = self._ahead, None
+        have = {seq: row for row, seq in enumerate(ahead[0])} if ahead else {}
+        todo = [batch[ready[j]][0] for j in masked if batch[ready[j]][0] not in have]
+        masks = self.masks.start([seq.matcher for seq in todo]) if todo else None
         try:
             logits = self.runner.run(batch)  # float32, on the CPU: sampling uses per-sequence torch.Generators
-        finally:  # waited for on failure too: no matcher may still be in use at the next step
-            bitmask = masks.result() if masks else None
+        finally:  # waited for on failure too: no matcher may still be in use when tokens are fed to them
+            fresh = masks.result() if masks else None
+            early = ahead[1].result() if ahead else None
+        bitmask = None
+        if masked:
+            at = {seq: row for row, seq in enumerate(todo)}
+            bitmask = torch.stack([early[have[seq]] if seq in have else fresh[at[seq]]
+                                   for seq in (batch[ready[j]][0] for j in masked)])
         for seq, chunk in self.runner.prompt_logits.items():
             start = seq.cache.length
             seq.prompt_logprobs += token_logprobs(chunk, seq.prompt_ids[start + 1:start + 1 + len(chunk)],
@@ -204,11 +215,16 @@ class Engine:
                             [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs],
                             outputs=[s.output_ids for s in seqs], stops=[s.stop_ids for s in seqs],
                             bitmask=bitmask, masked=masked)
-            for j, (seq, s) in enumerate(zip(seqs, picked, strict=True)):
+            # constrained rows first: once their tokens are fed to their matchers, the next
+            # step's masks start on the masks' thread, while the rest is emitted and scheduled
+            for j in [*masked, *(j for j in range(len(seqs)) if j not in masked)]:
+                seq, s = seqs[j], picked[j]
                 if seq.forks and not seq.output_ids:  # its prompt is computed: the other samples start
                     row = masked.index(j) if j in masked else None
                     self._fork(seq, logits[ready[j]], None if row is None else bitmask[row])
                 self._emit(seq, [s])
+                if masked and j == masked[-1]:
+                    self._mask_ahead()
         for i in drafted:
             seq = batch[i][0]
             self._verify(seq, starts[i], torch.cat([self.runner.draft_logits[seq], logits[i:i + 1]]))
@@ -216,6 +232,15 @@ class Engine:
             for (seq, _), start in zip(batch, starts, strict=True):
                 if not seq.finished and self._speculates(seq):
                     self.drafter.observe(seq, start, self.runner.features[seq][:seq.cache.length - start])
+
+    def _mask_ahead(self) -> None:
+        """Start the masks of the running constrained sequences that decode next (their matchers
+        take no token before then): computed while the engine finishes this step and runs the
+        next one's forward, on 2 cores mostly while this thread is in Python."""
+        seqs = [seq for seq in self.scheduler.running
+                if seq.matcher is not None and not seq.finished and seq.pending == 1 and not seq.draft]
+        if seqs:
+            self._ahead = (seqs, self.masks.start([seq.matcher for seq in seqs]))
 
     def _emit(self, seq: Sequence, sampled: list) -> None:
         """Hand seq its new tokens in order, until one of them finishes it."""

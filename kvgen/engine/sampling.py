@@ -200,11 +200,17 @@ def _penalise(logits: torch.Tensor, params: list[SamplingParams], seen: list[lis
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None]):
-    """The Gumbel-max trick over each row's distribution, with each row's own generator (so a
-    seed gives the same tokens whatever the batch)."""
-    probs = distribution(logits, params, normalise=False)
-    noise = torch.stack([torch.empty(probs.shape[1]).exponential_(generator=g) for g in gens])
-    return (probs / noise).argmax(dim=-1)
+    """Inverse-CDF sampling of each row's distribution with one uniform draw from the row's own
+    generator (so a seed gives the same tokens whatever the batch): the token whose interval of
+    the row's cumulative mass holds u x total. One draw a row: the Gumbel-max trick drew an
+    exponential per vocabulary entry, ~1 ms a row of SmolLM2's 49,152, a quarter of a 16-row
+    decode step. The sums are float64, so even the least likely token keeps its own interval."""
+    cdf = distribution(logits, params, normalise=False).double().cumsum(-1)
+    total = cdf[:, -1]
+    u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in gens])
+    # below the total whatever u's rounding: the last token with mass is the last one reachable
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
 
 
 def distribution(logits: torch.Tensor, params: list[SamplingParams], normalise: bool = True) -> torch.Tensor:

@@ -157,3 +157,26 @@ def test_a_complete_grammar_ends_the_output(gen, ignore_eos):
     r = gen.generate("Pick:", SamplingParams(temperature=0, constraint=Constraint.choice(["left", "right"]),
                                              ignore_eos=ignore_eos, max_new_tokens=50))
     assert r.text in ("left", "right") and r.finish_reason == FinishReason.STOP_TOKEN
+
+
+def test_constrained_streams_survive_preemption_and_equal_their_solo_runs(make_gen):
+    """The engine starts a step's masks when the last step fed its tokens (Engine._mask_ahead),
+    for sequences that a tight pool then preempts, recomputes and resumes, beside unconstrained
+    ones: every output equals the same request run alone, and the constrained ones validate."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]},
+                                                        "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    c = Constraint("json_schema", json.dumps(schema))
+    params = [SamplingParams(temperature=0.8, seed=i, max_new_tokens=48, constraint=c if i < 6 else None,
+                             ignore_eos=i >= 6) for i in range(8)]
+    prompts = [ask(f"A user record, number {i}.") for i in range(8)]
+    roomy = make_gen(kv_cache_mb=16)
+    solo = [roomy.generate(p, s).token_ids for p, s in zip(prompts, params, strict=True)]
+    tight = make_gen(kv_cache_mb=12 * roomy.pool.fmt.bytes_per_block() / 2**20)
+    out = tight.batch_generate(prompts, params)
+    assert [r.token_ids for r in out] == solo
+    assert tight.scheduler.preemptions > 0 and tight.scheduler.kv.used == 0
+    for r in out[:6]:
+        assert r.finish_reason == FinishReason.STOP_TOKEN, r.text
+        jsonschema.validate(json.loads(r.text), schema)
