@@ -5,8 +5,8 @@ and 16 concurrent streams, speculation on against off. Writes bench/results/spec
 
 kvgen runs in process (Generator, the engine the server drives), greedy, up to 128 new tokens
 (EOS banned, for both engines: every completion has the same length); decode rate = (tokens - 1) / time after the first
-token, per prompt, then the mean over a set. Drafters: ngram (prompt lookup), draft (the
-embedded model at int4 weights drafting for the fp32 one).
+token, per prompt, then the mean over a set. Drafters: ngram (prompt lookup) on the default weights,
+draft (the embedded model at int4 weights drafting for the fp32 one).
 
     make bench-speculative    (or .venv/bin/python bench/speculative.py [--new-tokens N])
 """
@@ -49,7 +49,6 @@ SETS = {
     "free chat": ["Question: What are three good habits for staying healthy?\nAnswer:",
                   "Write a short story about a robot who learns to paint.\nStory:"],
 }
-MODES = ("off", "ngram", "draft")
 
 
 def kvgen_rates(gen: Generator, prompts: list[str], new_tokens: int) -> list[float]:
@@ -82,34 +81,51 @@ def llamacpp(prompts: list[str], new_tokens: int, draft_tokens: int, eos_ids: li
         "draft_tokens": draft_tokens, "banned": eos_ids})
 
 
+# (drafter, weights): prompt lookup on the default weights (gguf: drafts are verified as rows of the
+# fused decode step) against plain decoding on them; the int4 draft model for an fp32 target (an
+# int4 draft is slower than the gguf target it would draft for)
+RUNS = (("off", "auto"), ("ngram", "auto"), ("off", "fp32"), ("draft", "fp32"))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over every set; a prompt keeps its best rate")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(peers.cores())
     t_start = time.perf_counter()
     path = embedded_model_path()
-    target = load_model(path, "fp32")
+    models = {w: load_model(path, w) for w in ("auto", "fp32")}
     draft = load_model(path, "int4")[0]
     opts = EngineOptions(speculative_tokens=5)
     rows, accept = {}, {}
-    for mode in MODES:
-        gen = Generator(*target, dataclasses.replace(opts, speculative=mode),
-                        draft_model=draft if mode == "draft" else None)
-        try:
-            for name, prompts in SETS.items():
-                rows[(mode, name)] = kvgen_rates(gen, prompts, args.new_tokens)
-                print(f"kvgen {mode:5} {name:12}: {[f'{r:.1f}' for r in rows[(mode, name)]]} tok/s", flush=True)
-            accept[mode] = (gen.engine.accepted_tokens, gen.engine.drafted_tokens)
-            # best of 3: one run of 16 streams on 2 shared cores varies by +-15%
-            rows[(mode, "streams")] = [max(streams(gen, args.streams, 64) for _ in range(3))]
-            print(f"kvgen {mode:5} {args.streams} streams: {rows[(mode, 'streams')][0]:.1f} tok/s", flush=True)
-        finally:
-            gen.close()
+    # The drafters of one weight setting alternate round by round (a neighbour's burst of load on
+    # 2 shared cores then costs both alike), one engine at a time: two live engine threads would
+    # each hold a worker pool, and two pools on 2 cores slow every step (kvgen/engine/threads.py).
+    # The default weights go first: after the fp32 engines had run, later gguf engines in the same
+    # process decoded at half speed or less (measured, not yet understood).
+    for weights, rnd in [(w, r) for w in ("auto", "fp32") for r in range(args.rounds)]:
+        for mode in [m for m, w in RUNS if w == weights]:
+            gen = Generator(*models[weights], dataclasses.replace(opts, speculative=mode),
+                            draft_model=draft if mode == "draft" else None)
+            try:
+                for name, prompts in SETS.items():
+                    got = kvgen_rates(gen, prompts, args.new_tokens)
+                    old = rows.get((mode, weights, name), got)
+                    rows[(mode, weights, name)] = [max(a, b) for a, b in zip(old, got, strict=True)]
+                    print(f"kvgen {weights:4} {mode:5} {name:12}: {[f'{r:.1f}' for r in got]} tok/s", flush=True)
+                a, d = accept.get((mode, weights), (0, 0))
+                accept[(mode, weights)] = (a + gen.engine.accepted_tokens, d + gen.engine.drafted_tokens)
+                if rnd == args.rounds - 1:  # best of 3: one run of 16 streams on 2 shared cores varies by +-15%
+                    rows[(mode, weights, "streams")] = [max(streams(gen, args.streams, 64) for _ in range(3))]
+                    print(f"kvgen {weights:4} {mode:5} {args.streams} streams: "
+                          f"{rows[(mode, weights, 'streams')][0]:.1f} tok/s", flush=True)
+            finally:
+                gen.close()
     all_prompts = [p for ps in SETS.values() for p in ps]
-    peer = llamacpp(all_prompts, args.new_tokens, opts.speculative_tokens, target[0].cfg.eos_token_ids)
+    peer = llamacpp(all_prompts, args.new_tokens, opts.speculative_tokens, models["fp32"][0].cfg.eos_token_ids)
     peer_rows = {}
     if peer:
         for kind in ("plain", "lookup"):
@@ -119,46 +135,49 @@ def main() -> int:
                 peer_rows[(kind, name)] = rates[at:at + len(prompts)]
                 at += len(prompts)
             print(f"llama.cpp {kind}: {[f'{r:.1f}' for r in rates]}", flush=True)
-    text = render(rows, peer_rows, accept, args, time.perf_counter() - t_start)
+    text = render(rows, peer_rows, accept, args, time.perf_counter() - t_start, models["auto"][0].weight_dtype)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
     return 0
 
 
-def render(rows, peer_rows, accept, args, seconds: float) -> str:
+def render(rows, peer_rows, accept, args, seconds: float, default: str) -> str:
     mean = statistics.mean
     lines = [
         "# Speculative decoding (CPU)",
         "",
         f"Generated by `make bench-speculative` (bench/speculative.py) on {datetime.date.today().isoformat()}: "
         f"{peers.cores()} cores ({peers.cpu_name()}), torch {torch.__version__}, {seconds:.0f} s in all. "
-        f"The embedded SmolLM2-135M, fp32 weights; greedy, {args.new_tokens} new tokens (EOS banned in both "
-        "engines); decode tok/s after the first token, mean over each set's prompts. "
-        "draft = the same model at int4 weights. "
+        f"The embedded SmolLM2-135M; greedy, {args.new_tokens} new tokens (EOS banned in both engines); decode "
+        f"tok/s after the first token, the best of {args.rounds} alternating rounds per prompt, mean over each "
+        f"set's prompts. Default weights: `WEIGHT_DTYPE=auto` ({default}), prompt lookup against plain decoding; "
+        "fp32: the int4 draft model against plain fp32 decoding. "
         "llama.cpp: llama-cpp-python on the same Q4_1 GGUF, plain and with LlamaPromptLookupDecoding "
         "(its prompt lookup), same prompts, same run.",
         "",
-        "| prompt set | kvgen off | kvgen ngram | x off | kvgen draft | x off | llama.cpp | llama.cpp lookup "
-        "| kvgen ngram x llama.cpp lookup |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| prompt set | kvgen {default} off | kvgen {default} ngram | x off | kvgen fp32 off | kvgen fp32 draft | "
+        "x off | llama.cpp | llama.cpp lookup | kvgen ngram x llama.cpp lookup |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in SETS:
-        off, ng, dr = (mean(rows[(m, name)]) for m in MODES)
+        off, ng, off32, dr = (mean(rows[(m, w, name)]) for m, w in RUNS)
         lp = mean(peer_rows[("plain", name)]) if peer_rows else float("nan")
         ll = mean(peer_rows[("lookup", name)]) if peer_rows else float("nan")
-        lines.append(f"| {name} | {off:.1f} | {ng:.1f} | {ng / off:.2f} | {dr:.1f} | {dr / off:.2f} | {lp:.1f} | "
-                     f"{ll:.1f} | {ng / ll:.2f} |")
-    off16 = rows[("off", "streams")][0]
+        lines.append(f"| {name} | {off:.1f} | {ng:.1f} | {ng / off:.2f} | {off32:.1f} | {dr:.1f} | {dr / off32:.2f} "
+                     f"| {lp:.1f} | {ll:.1f} | {ng / ll:.2f} |")
+
+    def per(m, w):
+        return rows[(m, w, "streams")][0]
+
     lines += [
         "",
         f"{args.streams} concurrent streams (64 tokens each, EOS ignored, best of 3 runs; SPECULATIVE_MAX_BATCH=8, "
         "so nobody drafts at this load but the last few sequences): aggregate tok/s "
-        + ", ".join(f"{m} {rows[(m, 'streams')][0]:.1f} ({rows[(m, 'streams')][0] / off16:.2f}x off)"
-                    for m in MODES) + ".",
+        + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in RUNS) + ".",
         "",
         "Acceptance over the three sets: " + ", ".join(
-            f"{m} {a}/{d} drafted tokens kept ({a / d:.0%})" for m, (a, d) in accept.items() if d) + ".",
+            f"{m} ({w}) {a}/{d} drafted tokens kept ({a / d:.0%})" for (m, w), (a, d) in accept.items() if d) + ".",
         "",
     ]
     return "\n".join(lines)

@@ -296,11 +296,6 @@ class Engine:
         cap = draft_cap(len(running), self.draft_tokens, self.draft_max_batch)
         if not cap:
             return
-        # A fused decode step (fused_decode.py) costs less than the several-row verification of a
-        # draft: with gguf weights, prompt lookup measured 0.83-0.92x of plain decoding at batch 1.
-        # Drafts only where the step would not be fused.
-        if self.runner.fuses(len(running)):
-            return
         room = self.model.cfg.context_length
         wanted = []
         for seq in running:

@@ -120,12 +120,16 @@ class ModelRunner:
         # small decode steps as one compiled call (fused_decode.py), where the model and format allow it
         fusable = fused and not (window or chunk) and FusedDecode.supports(model, fmt)
         self.fused = FusedDecode(model) if fusable else None
+        # a draft's rows are verified fused over plain fp32 KV only: a quantized block's later rows
+        # can move its scale (requantizing the earlier ones) before the earlier rows attend
+        self._fused_drafts = fmt.name == "fp32"
         if self.fused is not None:
             in_fresh_thread(self.fused.compile)  # its OpenMP pool goes with the thread (threads.py)
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
 
     def fuses(self, rows: int) -> bool:
-        """Whether a decode step of this many one-token rows (no drafts) runs fused."""
+        """Whether a decode step of this many query rows (a sequence's new token, plus one per
+        drafted token) runs fused."""
         return self.fused is not None and rows <= MAX_ROWS
 
     def run(self, batch: Batch) -> torch.Tensor:
@@ -137,10 +141,10 @@ class ModelRunner:
         drafted ones) get the logits of every position but the last in self.draft_logits."""
         self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
-        if self.fuses(len(wanted)) and not self.keep_features and all(
-                n == 1 and not m and not seq.draft and seq.cache.kv_start == 0 for seq, n, m in wanted):
-            logits = self.fused([(seq.tokens[seq.cache.length], seq.cache.length, seq.cache.blocks)
-                                 for seq, _, _ in wanted], self.store, self.fmt)
+        if self.fuses(sum(n for _, n, _ in wanted)) and not self.keep_features and all(
+                (n == 1 and not m or seq.draft and m == n - 1 and self._fused_drafts) and seq.cache.kv_start == 0
+                for seq, n, m in wanted):
+            logits = self._fused_step(wanted)
         elif self.kernel_attention is not None and not self.keep_features and all(
                 n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)
@@ -153,6 +157,21 @@ class ModelRunner:
                 (self.draft_logits if seq.draft else self.prompt_logits)[seq] = logits[at:at + m]
                 at += m
         return logits[:len(batch)]
+
+    def _fused_step(self, wanted) -> torch.Tensor:
+        """A decode step through FusedDecode: one row per new token, a drafted sequence's k + 1
+        tokens as k + 1 rows at consecutive positions over the same block table (each row writes
+        its K/V before any row attends, and attends up to its own position: the causal mask of a
+        prefill chunk). Logits in run()'s order: each sequence's last row, then the drafts' rows."""
+        rows, last, extra = [], [], []
+        for seq, n, _ in wanted:
+            start = seq.cache.length
+            tokens = (seq.tokens + seq.draft)[start:start + n] if seq.draft else seq.tokens[start:start + n]
+            extra.extend(range(len(rows), len(rows) + n - 1))
+            rows.extend((t, start + i, seq.cache.blocks) for i, t in enumerate(tokens))
+            last.append(len(rows) - 1)
+        logits = self.fused(rows, self.store, self.fmt)
+        return logits if not extra else logits[last + extra]
 
     # ---- TorchAttention: any step ----
 

@@ -153,25 +153,45 @@ def test_default_weights_decode_like_transformers(hf_model):
         gen.close()
 
 
-def test_fused_steps_are_not_given_drafts(q4_model, bpe):  # noqa: F811
-    """Speculation stands aside where a step runs fused (a verification would cost more than the
-    plain steps it saves): the drafter is never asked, and the tokens are plain decoding's."""
+def test_drafts_are_verified_in_the_fused_step(q4_model, bpe):  # noqa: F811
+    """Prompt lookup over gguf weights: the drafts are verified as rows of the fused step (only the
+    prompt's prefill takes Model.forward), and the tokens are plain decoding's."""
     from kvgen.engine.tokenizer import TextTokenizer
     from tests.tiny import CHATML_TEMPLATE
 
     tok = TextTokenizer(bpe, CHATML_TEMPLATE, bos_id=None, add_bos=False, special_ids={0, 1, 2},
                         eos_token="<|im_end|>")
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
-    prompt = list(range(3, 15)) * 4  # repeats: prompt lookup would have drafts to offer
+    prompt = list(range(3, 15)) * 4  # repeats: prompt lookup has drafts to offer
     plain = Generator(q4_model, tok, EngineOptions())
     spec = Generator(q4_model, tok, EngineOptions(speculative="ngram"))
-    asked = []
-    propose = spec.engine.drafter.propose
-    spec.engine.drafter.propose = lambda wanted: asked.append(wanted) or propose(wanted)
+    forwards = []
+    forward = spec.engine.runner._forward
+    spec.engine.runner._forward = lambda batch, wanted: forwards.append(len(batch)) or forward(batch, wanted)
     try:
         assert spec.engine.runner.fused is not None
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
-        assert asked == []
+        assert spec.engine.drafted_tokens > 0
+        assert forwards == [1]
     finally:
         plain.close()
         spec.close()
+
+
+def test_a_drafts_rows_in_one_step_equal_one_step_each(q4_model):
+    """A drafted sequence's k + 1 tokens verified as k + 1 rows of one fused step (consecutive
+    positions, one block table, crossing a block boundary) give bit for bit the logits and K/V of
+    k + 1 one-row steps: the kernels are row-invariant and each row attends up to its own position.
+    So speculative decoding over the fused step is exactly lossless for greedy output."""
+    m, cfg = q4_model, q4_model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    fused = FusedDecode(m)
+    ids = torch.randint(3, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(8)).tolist()
+    pools = [BlockPool(fmt, 4) for _ in range(2)]
+    caches = [prefill(m, fmt, p, ids[:13]) for p in pools]
+    for c in caches:
+        c.reserve(7)
+    one_each = torch.cat([fused([(ids[pos], pos, caches[0].blocks)], pools[0].store) for pos in range(13, 20)])
+    together = fused([(ids[pos], pos, caches[1].blocks) for pos in range(13, 20)], pools[1].store)
+    assert torch.equal(together, one_each)
+    assert torch.equal(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][caches[0].blocks])

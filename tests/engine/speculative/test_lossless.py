@@ -269,3 +269,25 @@ def test_bad_speculative_setting_is_refused(small, tmp_path):
     save_file({k: v for k, v in eagle_head(small[0].cfg).items() if "down_proj" not in k}, str(partial))
     with pytest.raises(ValueError, match="down_proj"):
         Generator(*small, EngineOptions(speculative="eagle", eagle_head=str(partial)))
+
+
+def test_prompt_lookup_over_the_default_weights_equals_plain_decoding():
+    """The default weights (gguf blocks) verify drafts in the fused decode step (k + 1 rows of one
+    sequence): greedy tokens equal plain decoding, alone and among 4 streams, drafts were verified,
+    and no block is left behind."""
+    model = load_model(embedded_model_path(), "auto")
+    assert model[0].weight_dtype == "gguf"
+    prompts = ["Copy: red, green, blue, cyan, magenta, yellow, black. Copy: red, green,",
+               "The list: apple pear plum fig kiwi lime. The list again: apple pear", RAW[1], RAW[4]]
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    plain = Generator(*model, EngineOptions())
+    ngram = Generator(*model, EngineOptions(speculative="ngram"))
+    try:
+        for concurrent in (1, 4):
+            want = _generate(plain, prompts, params, concurrent)
+            assert _generate(ngram, prompts, params, concurrent) == want
+        assert ngram.engine.drafted_tokens > 0 and ngram.engine.accepted_tokens > 0
+        assert ngram.scheduler.kv.used == 0
+    finally:
+        plain.close()
+        ngram.close()
