@@ -63,12 +63,15 @@ def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  #
         for rh in range(part * tasks // parts, (part + 1) * tasks // parts):
             r, h = rh // heads, rh % heads
             kh, n_keys, table = h // group, positions[r] + 1, tables[r]
+            qh = q[r, h * head_dim:(h + 1) * head_dim]
             top = np.float32(-np.inf)
+            # 1-D views of each key and value row: with every index but the innermost fixed,
+            # LLVM vectorizes the loops over head_dim (six-index element reads ran ~5x slower)
             for p in range(n_keys):
-                b, o = table[p // block], p % block
+                key = kv[table[p // block], layer, 0, p % block, kh]
                 s = np.float32(0)
                 for i in range(head_dim):
-                    s += q[r, h * head_dim + i] * kv[b, layer, 0, o, kh, i]
+                    s += qh[i] * key[i]
                 s *= scale
                 scores[p] = s
                 top = max(top, s)
@@ -78,12 +81,11 @@ def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  #
                 total += scores[p]
             acc[:] = 0
             for p in range(n_keys):
-                b, o = table[p // block], p % block
+                value = kv[table[p // block], layer, 1, p % block, kh]
                 wgt = scores[p] / total
                 for i in range(head_dim):
-                    acc[i] += wgt * kv[b, layer, 1, o, kh, i]
-            for i in range(head_dim):
-                out[r, h * head_dim + i] = acc[i]
+                    acc[i] += wgt * value[i]
+            out[r, h * head_dim:(h + 1) * head_dim] = acc
 
 
 @njit(cache=True, nogil=True)
