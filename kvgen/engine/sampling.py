@@ -210,7 +210,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[
     u = torch.cat([torch.rand(1, dtype=torch.float64, generator=g) for g in gens])
     # below the total whatever u's rounding: the last token with mass is the last one reachable
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0]
+    return torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_(max=cdf.shape[1] - 1)  # (NaN rows)
 
 
 def distribution(logits: torch.Tensor, params: list[SamplingParams], normalise: bool = True) -> torch.Tensor:
