@@ -141,10 +141,11 @@ class ModelRunner:
         drafted ones) get the logits of every position but the last in self.draft_logits."""
         self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
-        if self.fuses(sum(n for _, n, _ in wanted)) and not self.keep_features and all(
-                (n == 1 and not m or seq.draft and m == n - 1 and self._fused_drafts) and seq.cache.kv_start == 0
-                for seq, n, m in wanted):
+        fusable = [i for i, w in enumerate(wanted) if self._fusable(*w)]
+        if len(fusable) == len(wanted) and self.fuses(sum(n for _, n, _ in wanted)):
             logits = self._fused_step(wanted)
+        elif fusable and self.fuses(sum(wanted[i][1] for i in fusable)):
+            logits = self._split_step(batch, wanted, fusable)
         elif self.kernel_attention is not None and not self.keep_features and all(
                 n == 1 and not m for _, n, m in wanted):
             logits = self._decode_with_kernels(batch)
@@ -157,6 +158,30 @@ class ModelRunner:
                 (self.draft_logits if seq.draft else self.prompt_logits)[seq] = logits[at:at + m]
                 at += m
         return logits[:len(batch)]
+
+    def _fusable(self, seq, n: int, m: int) -> bool:
+        """Whether seq's rows this step can run in FusedDecode: one new token, or a draft's k + 1
+        (over plain fp32 KV), from the start of its cache (no window)."""
+        return (self.fused is not None and not self.keep_features and seq.cache.kv_start == 0
+                and (n == 1 and not m or seq.draft and m == n - 1 and self._fused_drafts))
+
+    def _split_step(self, batch: Batch, wanted, fusable: list[int]) -> torch.Tensor:
+        """A step that mixes decode rows with prompt chunks: the decode rows run fused, the rest
+        through Model.forward, so a decoding sequence's rows are computed the same way whatever
+        shares its step (and skip the fp32 matmul a long chunk would take them through). Logits
+        in run()'s order: each sequence's last row, then every sequence's extra rows."""
+        rest = [i for i in range(len(wanted)) if i not in set(fusable)]
+        parts = {}  # batch index -> (part's logits, its row of the last token, its extra rows)
+        for idx, logits in ((fusable, self._fused_step([wanted[i] for i in fusable])),
+                            (rest, self._forward([batch[i] for i in rest], [wanted[i] for i in rest]))):
+            at = len(idx)
+            for row, i in enumerate(idx):
+                m = wanted[i][2]
+                parts[i] = (logits, row, range(at, at + m))
+                at += m
+        last = torch.stack([parts[i][0][parts[i][1]] for i in range(len(wanted))])
+        extra = [parts[i][0][list(parts[i][2])] for i in range(len(wanted)) if wanted[i][2]]
+        return torch.cat([last, *extra]) if extra else last
 
     def _fused_step(self, wanted) -> torch.Tensor:
         """A decode step through FusedDecode: one row per new token, a drafted sequence's k + 1

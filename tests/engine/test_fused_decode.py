@@ -195,3 +195,41 @@ def test_a_drafts_rows_in_one_step_equal_one_step_each(q4_model):
     together = fused([(ids[pos], pos, caches[1].blocks) for pos in range(13, 20)], pools[1].store)
     assert torch.equal(together, one_each)
     assert torch.equal(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][caches[0].blocks])
+
+
+def test_decode_rows_in_a_step_with_prompt_chunks_run_fused_and_keep_their_logits(q4_model, bpe):  # noqa: F811
+    """Requests that arrive (and prefill, in chunks) while a request decodes share its steps: its
+    decode rows still run fused, the chunks through Model.forward, so its tokens and their
+    logprobs are bit for bit those of the request decoded alone."""
+    from kvgen.engine.tokenizer import TextTokenizer
+    from tests.tiny import CHATML_TEMPLATE
+
+    tok = TextTokenizer(bpe, CHATML_TEMPLATE, bos_id=None, add_bos=False, special_ids={0, 1, 2},
+                        eos_token="<|im_end|>")
+    target = list(range(3, 20))
+    params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=24, ignore_eos=True, logprobs=1)
+    gen = Generator(q4_model, tok, EngineOptions(token_budget=48, prefix_cache=False))
+    split = []
+    step = gen.engine.runner._split_step
+    gen.engine.runner._split_step = lambda *a: split.append(1) or step(*a)
+    try:
+        alone = gen.generate(target, params)
+
+        async def joined():
+            ids, logprobs, others = [], [], []
+            async for ev in await gen.request(target, params):
+                ids += ev.token_ids
+                logprobs += [s.logprob for s in ev.logprobs]
+                if not others:  # decoding when the others arrive
+                    others = [await gen.request(list(range(5 + i, 120 + i)), SamplingParams(max_new_tokens=4, seed=i))
+                              for i in range(3)]
+            for r in others:
+                await r.result()
+            return ids, logprobs
+
+        ids, logprobs = gen.bridge.run(joined())
+        assert split, "no step mixed decode rows with prompt chunks"
+        assert ids == alone.token_ids
+        assert logprobs == [s.logprob for s in alone.logprobs]
+    finally:
+        gen.close()
