@@ -185,9 +185,10 @@ class Engine:
         ready = [i for i, (seq, n) in enumerate(batch) if seq.pending == n and not seq.draft]
         drafted = [i for i, (seq, _) in enumerate(batch) if seq.draft]
         masked = [j for j, i in enumerate(ready) if batch[i][0].matcher is not None]
+        constrained = [batch[ready[j]][0] for j in masked]
         ahead, self._ahead = self._ahead, None
         have = {seq: row for row, seq in enumerate(ahead[0])} if ahead else {}
-        todo = [batch[ready[j]][0] for j in masked if batch[ready[j]][0] not in have]
+        todo = [seq for seq in constrained if seq not in have]
         masks = self.masks.start([seq.matcher for seq in todo]) if todo else None
         try:
             logits = self.runner.run(batch)  # float32, on the CPU: sampling uses per-sequence torch.Generators
@@ -197,8 +198,7 @@ class Engine:
         bitmask = None
         if masked:
             at = {seq: row for row, seq in enumerate(todo)}
-            bitmask = torch.stack([early[have[seq]] if seq in have else fresh[at[seq]]
-                                   for seq in (batch[ready[j]][0] for j in masked)])
+            bitmask = torch.stack([early[have[seq]] if seq in have else fresh[at[seq]] for seq in constrained])
         for seq, chunk in self.runner.prompt_logits.items():
             start = seq.cache.length
             seq.prompt_logprobs += token_logprobs(chunk, seq.prompt_ids[start + 1:start + 1 + len(chunk)],

@@ -170,18 +170,18 @@ class ModelRunner:
         through Model.forward, so a decoding sequence's rows are computed the same way whatever
         shares its step (and skip the fp32 matmul a long chunk would take them through). Logits
         in run()'s order: each sequence's last row, then every sequence's extra rows."""
-        rest = [i for i in range(len(wanted)) if i not in set(fusable)]
-        parts = {}  # batch index -> (part's logits, its row of the last token, its extra rows)
-        for idx, logits in ((fusable, self._fused_step([wanted[i] for i in fusable])),
-                            (rest, self._forward([batch[i] for i in rest], [wanted[i] for i in rest]))):
-            at = len(idx)
+        chosen = set(fusable)
+        rest = [i for i in range(len(wanted)) if i not in chosen]
+        fused = self._fused_step([wanted[i] for i in fusable])
+        both = torch.cat([fused, self._forward([batch[i] for i in rest], [wanted[i] for i in rest])])
+        last, extra = {}, {}  # batch index -> row of `both` holding its last token / its extra rows
+        for idx, base in ((fusable, 0), (rest, len(fused))):
+            at = base + len(idx)  # each part: its sequences' last rows, then their extra rows
             for row, i in enumerate(idx):
-                m = wanted[i][2]
-                parts[i] = (logits, row, range(at, at + m))
-                at += m
-        last = torch.stack([parts[i][0][parts[i][1]] for i in range(len(wanted))])
-        extra = [parts[i][0][list(parts[i][2])] for i in range(len(wanted)) if wanted[i][2]]
-        return torch.cat([last, *extra]) if extra else last
+                last[i], extra[i] = base + row, range(at, at + wanted[i][2])
+                at += wanted[i][2]
+        order = range(len(wanted))
+        return both[[last[i] for i in order] + [r for i in order for r in extra[i]]]
 
     def _fused_step(self, wanted) -> torch.Tensor:
         """A decode step through FusedDecode: one row per new token, a drafted sequence's k + 1
