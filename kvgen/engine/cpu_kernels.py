@@ -8,25 +8,30 @@ AVX2 CPU (6 instructions per 8 weights: the kernels ran at 11 GB/s where the mac
 So the activations are integers too. `quantize` rounds each row's block of 32 inputs to int16 with
 a scale of its own (the block's largest |x| / 32767): a relative error of 2^-16 of the block's
 largest value, where llama.cpp's Q8 activations have 2^-8. Then a block's dot product with a row
-of weight codes is exact integer arithmetic, done 16 products at a time by pmaddwd (int16 pairs
-multiplied and summed into int32): 32 Q4 weights cost 7 instructions. What is left in floats is
-each block's integer sum times the weight row's and the activation block's scales, added in the
-same order whatever the batch: a row's output does not depend on the other rows, and the integer
-sums are exact whichever instructions compute them.
+of weight codes is exact integer arithmetic, done by pmaddwd (int16 pairs multiplied and summed
+into int32), LANES weight rows at a time. What is left in floats is each block's integer sum times
+the weight row's and the activation block's scales, added over the blocks in order, in registers:
+a row's output does not depend on the other rows or on how many there are, and the integer sums
+are exact whichever instructions compute them.
 
 Layout (blocks.py makes it): the output rows are cut in tiles of TILE rows; for one tile and
-block, the bytes are ordered [pair p, row c, e], so one 16-byte load holds 8 rows' weights for
-two neighbouring inputs (the pair pmaddwd sums), and the activation pair is one int32 broadcast:
+block, the bytes are ordered [pair p, row c, e], so one load of 2 LANES bytes holds LANES rows'
+weights for two neighbouring inputs (the pair pmaddwd sums), and the activation pair is one int32
+broadcast:
 
     q4: qs [N/TILE, G, 8, TILE, 2] uint8: byte (p, c, e) holds input 2p+e of row c (low nibble)
         and input 2p+e+16 (high); value = d * q + m (Q4_0: m = -8 d)
     q8: qs [N/TILE, G, 16, TILE, 2] int8: byte (p, c, e) holds input 2p+e; value = d * q
     d, m: [N/TILE, G, TILE] float32;  xq [M, K] int16;  dx, xs [M, G] float32;  y [M, N] float32
 
-The inner dot product is written in LLVM IR (`_tile_dots`), since Numba has no vector types:
-pmaddwd as the AVX2 intrinsic where the CPU has it, else the portable multiply-and-add pattern
-that LLVM lowers to whatever the CPU has (the sums are the same integers either way). Numba
-caches the compiled kernels per CPU, so a cache made on one CPU is not used on another.
+A tile's loop over the blocks is written in LLVM IR (`_tile_linear`), since Numba has no vector
+types: pmaddwd as the AVX-512 (16 rows a vector) or AVX2 (8) intrinsic where the CPU has it, else
+the portable multiply-and-add pattern that LLVM lowers to whatever the CPU has (the sums are the
+same integers either way, and the float arithmetic the same operations in the same order). On an
+AVX-512 Zen 4, 512-bit vectors took a 3072 x 576 Q4_1 matmul from 31 to 20 us at 1 row, and from
+14.6 to 10.7 us a row at 4 to 32 rows; keeping the block sums in registers instead of storing the
+integer dots and adding them up in a Numba loop saved another ~12%. Numba caches the compiled
+kernels per CPU, so a cache made on one CPU is not used on another.
 
 The kernels release the GIL (nogil): the engine thread runs them while the server's event loop
 goes on serving other calls, as it does during torch's ops.
@@ -51,27 +56,29 @@ from numba.extending import intrinsic
 
 from kvgen.engine import numba_cache
 
-# Output rows per tile: 8 rows of int32 sums per vector, 8 vectors (the tile's rows) per block
-# live in registers across the block's 16 pairs of inputs.
-TILE = 64
-ROWS_AT_ONCE = 4  # activation rows that share one conversion of the weight codes
-# A call splits its tiles in at most this many runs of consecutive tiles, one per thread, so a
-# thread allocates its scratch once per call: allocating it per tile cost ~20% of a batch-1 step.
+# Output rows per tile: one or two vectors of sums (LANES rows each); a tile's codes, read once from
+# memory, serve its activation rows ROWS_AT_ONCE at a time (8 at a time were no faster).
+TILE = 16
+ROWS_AT_ONCE = 4
+# A call splits its tiles in at most this many runs of consecutive tiles, one per thread.
 PARTS = numba.config.NUMBA_NUM_THREADS
 numba.config.THREADING_LAYER = "omp"  # the same runtime kind as torch's (see Threads above)
 
 # The features Numba compiles for: the host's, or NUMBA_CPU_FEATURES where set (the tests build
-# the portable pattern on an AVX2 CPU that way, with "-avx2").
+# the AVX2 and portable paths on an AVX-512 CPU that way, with "-avx512bw" and "-avx2").
 binding.initialize_native_target()
 FEATURES = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
 PMADDWD = "+avx2" in FEATURES.split(",")
+WIDE = PMADDWD and "+avx512bw" in FEATURES.split(",")
+LANES = 16 if WIDE else 8  # weight rows per vector of sums
 
 # Before any cached function is defined (numba_cache.py says why); the salt keeps builds for
 # different features apart.
 numba_cache.use_cache_dir(f"{FEATURES} parts={PARTS}")
 
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_BYTES16, _WORDS16, _INTS8 = ir.VectorType(_I8, 16), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
+_BYTES, _WORDS = ir.VectorType(_I8, 2 * LANES), ir.VectorType(_I16, 2 * LANES)
+_INTS, _FLOATS = ir.VectorType(_I32, LANES), ir.VectorType(ir.FloatType(), LANES)
 
 
 def _lanes(ty, values):
@@ -79,68 +86,110 @@ def _lanes(ty, values):
 
 
 def _madd(builder, a, b):
-    """<16 x i16> a, b -> <8 x i32>: a[2i] b[2i] + a[2i+1] b[2i+1] (one pmaddwd)."""
+    """<2 LANES x i16> a, b -> <LANES x i32>: a[2i] b[2i] + a[2i+1] b[2i+1] (one pmaddwd)."""
     if PMADDWD:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_INTS8, [_WORDS16, _WORDS16]),
-                                            "llvm.x86.avx2.pmadd.wd")
+        name = "llvm.x86.avx512.pmaddw.d.512" if WIDE else "llvm.x86.avx2.pmadd.wd"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_INTS, [_WORDS, _WORDS]), name)
         return builder.call(fn, [a, b])
-    even, odd = _lanes(_I32, range(0, 16, 2)), _lanes(_I32, range(1, 16, 2))
-    half = [builder.sext(builder.shuffle_vector(v, v, idx), _INTS8) for v in (a, b) for idx in (even, odd)]
+    even, odd = _lanes(_I32, range(0, 2 * LANES, 2)), _lanes(_I32, range(1, 2 * LANES, 2))
+    half = [builder.sext(builder.shuffle_vector(v, v, idx), _INTS) for v in (a, b) for idx in (even, odd)]
     return builder.add(builder.mul(half[0], half[2]), builder.mul(half[1], half[3]))
 
 
 def _pair(builder, x, index):
-    """The int16 pair x[2 index], x[2 index + 1] broadcast to 16 lanes (x: an i32 pointer)."""
+    """The int16 pair x[2 index], x[2 index + 1] broadcast to every lane (x: an i32 pointer)."""
     v = builder.load(builder.gep(x, [ir.Constant(_I64, index)]), align=4)
-    v = builder.insert_element(ir.Constant(_INTS8, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.bitcast(builder.shuffle_vector(v, v, _lanes(_I32, [0] * 8)), _WORDS16)
+    v = builder.insert_element(ir.Constant(_INTS, ir.Undefined), v, ir.Constant(_I32, 0))
+    return builder.bitcast(builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES)), _WORDS)
 
 
-def _tile_dots(kind: str, rows: int):
-    """An intrinsic: dots[i, c] = sum over the block's 32 inputs of code[c, j] * xq[row i, j], for
-    the tile's TILE weight rows c and `rows` activation rows (exact int32).
-    Arguments: codes (the flat qs), the block's first byte, xq (flat int16), row 0's first input of
-    the block, the distance between activation rows, dots [ROWS_AT_ONCE, TILE] int32."""
+def _splat(builder, ptr):
+    """The float at ptr in every lane."""
+    v = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES))
+
+
+def _tile_linear(kind: str, rows: int):
+    """An intrinsic: y[r, c] = sum over blocks g of d[c, g] (dx[r, g] dots[r, c, g]) + m[c, g] xs[r, g]
+    for `rows` activation rows r and the TILE weight rows c of one tile, where dots is a block's
+    exact int32 dot product of codes and rounded activations. The sum runs over g in order, in
+    registers, LANES weight rows at a time: each row's sum is the same whatever the other rows.
+    Arguments (arrays flat): codes, the tile's first code; groups; xq, row 0's first input, the
+    distance between activation rows; dx, xs, row 0's first block; d, m, the tile's first scale;
+    y, row 0's first output, the distance between output rows."""
     pairs = 8 if kind == "q4" else 16
+    names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "d", "m", "dbase", "y", "ybase",
+             "ystride")
 
     @intrinsic
-    def tile_dots(typingctx, codes, base, xq, xbase, xstride, dots):
-        sig = types.void(codes, base, xq, xbase, xstride, dots)
+    def tile_linear(typingctx, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):
+        sig = types.void(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
 
         def codegen(context, builder, signature, args):
-            codes_v, base_v, xq_v, xbase_v, xstride_v, dots_v = args
-            data = [context.make_array(signature.args[i])(context, builder, args[i]).data for i in (0, 2, 5)]
-            q = builder.gep(data[0], [base_v])
-            starts = [builder.add(xbase_v, builder.mul(xstride_v, ir.Constant(_I64, i))) for i in range(rows)]
-            xs = [builder.bitcast(builder.gep(data[1], [at]), _I32.as_pointer()) for at in starts]
-            out = builder.bitcast(data[2], _INTS8.as_pointer())
-            for cg in range(TILE // 8):  # 8 weight rows at a time
-                acc = [ir.Constant(_INTS8, None)] * rows
-                for p in range(pairs):
-                    at = builder.gep(q, [ir.Constant(_I64, (p * TILE + cg * 8) * 2)])
-                    w = builder.load(builder.bitcast(at, _BYTES16.as_pointer()), align=1)
-                    if kind == "q4":
-                        w = builder.zext(w, _WORDS16)
-                        lo, hi = builder.and_(w, _lanes(_I16, [15] * 16)), builder.lshr(w, _lanes(_I16, [4] * 16))
-                        for i in range(rows):
-                            s = builder.add(_madd(builder, lo, _pair(builder, xs[i], p)),
-                                            _madd(builder, hi, _pair(builder, xs[i], 8 + p)))
-                            acc[i] = builder.add(acc[i], s)
-                    else:
-                        w = builder.sext(w, _WORDS16)
-                        for i in range(rows):
-                            acc[i] = builder.add(acc[i], _madd(builder, w, _pair(builder, xs[i], p)))
+            a = dict(zip(names, args, strict=True))
+            for i, name in enumerate(names):  # arrays -> their data pointers
+                if isinstance(signature.args[i], types.Array):
+                    a[name] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
+            for cg in range(TILE // LANES):  # a vector of sums (LANES weight rows) at a time
+                total = [cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(rows)]
+                with cgutils.for_range(builder, a["groups"]) as loop:
+                    g = loop.index
+                    q = at(a["codes"], a["base"], builder.mul(g, _int(pairs * TILE * 2)))
+                    xs = [builder.bitcast(at(a["xq"], a["xbase"], builder.mul(a["k"], _int(i)),
+                                             builder.mul(g, _int(32))), _I32.as_pointer()) for i in range(rows)]
+                    dots = [ir.Constant(_INTS, None)] * rows
+                    for p in range(pairs):
+                        at_p = at(q, _int((p * TILE + cg * LANES) * 2))
+                        w = builder.load(builder.bitcast(at_p, _BYTES.as_pointer()), align=1)
+                        if kind == "q4":
+                            w = builder.zext(w, _WORDS)
+                            lo = builder.and_(w, _lanes(_I16, [15] * 2 * LANES))
+                            hi = builder.lshr(w, _lanes(_I16, [4] * 2 * LANES))
+                            for i in range(rows):  # inputs 2p, 2p+1 in the low nibbles, 2p+16, 2p+17 high
+                                both = builder.add(_madd(builder, lo, _pair(builder, xs[i], p)),
+                                                   _madd(builder, hi, _pair(builder, xs[i], 8 + p)))
+                                dots[i] = builder.add(dots[i], both)
+                        else:
+                            w = builder.sext(w, _WORDS)
+                            for i in range(rows):
+                                dots[i] = builder.add(dots[i], _madd(builder, w, _pair(builder, xs[i], p)))
+                    col = (a["dbase"], builder.mul(g, _int(TILE)), _int(cg * LANES))
+                    d = builder.load(builder.bitcast(at(a["d"], *col), _FLOATS.as_pointer()), align=4)
+                    m = builder.load(builder.bitcast(at(a["m"], *col), _FLOATS.as_pointer()), align=4) \
+                        if kind == "q4" else None
+                    for i in range(rows):
+                        block = (a["sbase"], builder.mul(a["groups"], _int(i)), g)
+                        # d (dx dots) + m xs, in that order: plain fmul and fadd, which LLVM
+                        # fuses into no multiply-add without fast-math flags (see below)
+                        term = builder.fmul(d, builder.fmul(_splat(builder, at(a["dx"], *block)),
+                                                            builder.sitofp(dots[i], _FLOATS)))
+                        if kind == "q4":
+                            term = builder.fadd(term, builder.fmul(m, _splat(builder, at(a["xs"], *block))))
+                        builder.store(builder.fadd(builder.load(total[i]), term), total[i])
                 for i in range(rows):
-                    builder.store(acc[i], builder.gep(out, [ir.Constant(_I64, i * TILE // 8 + cg)]), align=4)
+                    out = at(a["y"], a["ybase"], builder.mul(a["ystride"], _int(i)), _int(cg * LANES))
+                    builder.store(builder.load(total[i]), builder.bitcast(out, _FLOATS.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    return tile_dots
+    return tile_linear
 
 
-_q4_1, _q4_2, _q4_3, _q4_4 = (_tile_dots("q4", n) for n in range(1, ROWS_AT_ONCE + 1))
-_q8_1, _q8_2, _q8_3, _q8_4 = (_tile_dots("q8", n) for n in range(1, ROWS_AT_ONCE + 1))
+def _int(n):
+    return ir.Constant(_I64, n)
+
+
+def _sum(builder, terms):
+    out = terms[0]
+    for t in terms[1:]:
+        out = builder.add(out, t)
+    return out
+
+
+_q4_1, _q4_2, _q4_3, _q4_4 = (_tile_linear("q4", n) for n in range(1, ROWS_AT_ONCE + 1))
+_q8_1, _q8_2, _q8_3, _q8_4 = (_tile_linear("q8", n) for n in range(1, ROWS_AT_ONCE + 1))
 
 
 # No fastmath in what follows: with it LLVM may fuse a multiply-add either way and reorder sums,
@@ -196,35 +245,44 @@ def q8_linear(x, qs, d, y, room):  # pragma: no cover - compiled
     q8_matmul(xq, dx, qs, d, y)
 
 
+# The rows of a call go ROWS_AT_ONCE at a time; Numba cannot pick an intrinsic from a tuple, so
+# the choice of variant is spelled out.
+
+
 @njit(nogil=True, inline="always")
-def _q4_dots(n, codes, base, xq, xbase, k, dots):  # pragma: no cover - compiled
+def _q4_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
     if n == 4:
-        _q4_4(codes, base, xq, xbase, k, dots)
+        _q4_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
     elif n == 3:
-        _q4_3(codes, base, xq, xbase, k, dots)
+        _q4_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
     elif n == 2:
-        _q4_2(codes, base, xq, xbase, k, dots)
+        _q4_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
     else:
-        _q4_1(codes, base, xq, xbase, k, dots)
+        _q4_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
 
 
 @njit(nogil=True, inline="always")
-def _q8_dots(n, codes, base, xq, xbase, k, dots):  # pragma: no cover - compiled
+def _q8_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
     if n == 4:
-        _q8_4(codes, base, xq, xbase, k, dots)
+        _q8_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
     elif n == 3:
-        _q8_3(codes, base, xq, xbase, k, dots)
+        _q8_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
     elif n == 2:
-        _q8_2(codes, base, xq, xbase, k, dots)
+        _q8_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
     else:
-        _q8_1(codes, base, xq, xbase, k, dots)
+        _q8_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
 
 
 @njit(nogil=True, inline="always")
-def _check(xq, qs, y):  # pragma: no cover - compiled
-    """The intrinsics read and write through raw pointers: shapes are checked before, not trusted."""
-    if qs.shape[3] != TILE or xq.shape[1] != qs.shape[1] * 32 or y.shape[1] < qs.shape[0] * TILE \
-            or y.shape[0] != xq.shape[0]:
+def _check(xq, dx, qs, pairs, d, y):  # pragma: no cover - compiled
+    """The intrinsics read and write through raw pointers: shapes and layouts are checked before,
+    not trusted."""
+    tiles, groups = qs.shape[0], qs.shape[1]
+    if qs.shape[2] != pairs or qs.shape[3] != TILE or qs.shape[4] != 2 or xq.shape[1] != groups * 32 \
+            or y.shape[1] < tiles * TILE or y.shape[0] != xq.shape[0] \
+            or dx.shape != (xq.shape[0], groups) or d.shape != (tiles, groups, TILE) \
+            or not (xq.flags.c_contiguous and dx.flags.c_contiguous and qs.flags.c_contiguous
+                    and d.flags.c_contiguous and y.flags.c_contiguous):
         raise ValueError("block matmul: mismatched shapes")
 
 
@@ -232,49 +290,30 @@ def _check(xq, qs, y):  # pragma: no cover - compiled
 def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    _check(xq, qs, y)
-    codes, flat = qs.reshape(-1), xq.reshape(-1)  # both C-contiguous
-    per_block = codes.size // (tiles * groups)
+    _check(xq, dx, qs, 8, d, y)
+    _check(xq, xs, qs, 8, m, y)
+    codes, xf, dxf, xsf, df, mf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        d.reshape(-1), m.reshape(-1), y.reshape(-1)
+    per_tile = codes.size // tiles
     parts = min(tiles, PARTS)
     for part in prange(parts):
-        dots = np.empty((ROWS_AT_ONCE, TILE), np.int32)
-        acc = np.empty((rows, TILE), np.float32)
         for t in range(part * tiles // parts, (part + 1) * tiles // parts):
-            acc[:] = 0
-            for g in range(groups):
-                base = (t * groups + g) * per_block  # the block's codes, read from memory once for all rows
-                for r0 in range(0, rows, ROWS_AT_ONCE):
-                    n = min(ROWS_AT_ONCE, rows - r0)
-                    _q4_dots(n, codes, base, flat, r0 * k + g * 32, k, dots)
-                    for i in range(n):
-                        sc, sx = dx[r0 + i, g], xs[r0 + i, g]
-                        for c in range(TILE):
-                            acc[r0 + i, c] += d[t, g, c] * (sc * np.float32(dots[i, c])) + m[t, g, c] * sx
-            for r in range(rows):
-                y[r, t * TILE:(t + 1) * TILE] = acc[r]
+            # the tile's codes are read from memory once; the later rows find them in cache
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q4_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
+                         r0 * groups, df, mf, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    _check(xq, qs, y)
-    codes, flat = qs.reshape(-1), xq.reshape(-1)
-    per_block = codes.size // (tiles * groups)
+    _check(xq, dx, qs, 16, d, y)
+    codes, xf, dxf, df, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), d.reshape(-1), y.reshape(-1)
+    per_tile = codes.size // tiles
     parts = min(tiles, PARTS)
     for part in prange(parts):
-        dots = np.empty((ROWS_AT_ONCE, TILE), np.int32)
-        acc = np.empty((rows, TILE), np.float32)
         for t in range(part * tiles // parts, (part + 1) * tiles // parts):
-            acc[:] = 0
-            for g in range(groups):
-                base = (t * groups + g) * per_block
-                for r0 in range(0, rows, ROWS_AT_ONCE):
-                    n = min(ROWS_AT_ONCE, rows - r0)
-                    _q8_dots(n, codes, base, flat, r0 * k + g * 32, k, dots)
-                    for i in range(n):
-                        sc = dx[r0 + i, g]
-                        for c in range(TILE):
-                            acc[r0 + i, c] += d[t, g, c] * (sc * np.float32(dots[i, c]))
-            for r in range(rows):
-                y[r, t * TILE:(t + 1) * TILE] = acc[r]
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q8_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
+                         r0 * groups, df, df, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])

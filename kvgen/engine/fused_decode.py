@@ -5,8 +5,8 @@ At batch 1 on a small model, torch's per-op dispatch is a third of the step: Mod
 around its four matmuls, each a few microseconds of bookkeeping for a few hundred floats of work.
 This is the same layer loop (model.py is the reference it is tested against) with every op a
 loop in one compiled function, the matmuls being cpu_kernels' block kernels: the step costs the
-weights' bytes and little else. It runs the steps it can (model_runner decides): up to MAX_ROWS
-sequences of one new token each, fp32 keys and values (or fp8 / q4, which fused_attention.py
+weights' bytes and little else. It runs the steps it can (model_runner decides): sequences of one
+new token each (or a draft's k + 1), however many, fp32 keys and values (or fp8 / q4, which fused_attention.py
 writes and reads), no window or chunk, no bias; every other step takes Model.forward.
 """
 
@@ -19,9 +19,7 @@ import torch
 from numba import njit, prange
 
 from kvgen.engine import cpu_kernels, fused_attention
-from kvgen.engine.blocks import GROUP, KERNEL_ROWS, BlockLinear
-
-MAX_ROWS = KERNEL_ROWS  # past it Model.forward's fp32 matmuls are faster than the block kernels
+from kvgen.engine.blocks import GROUP, BlockLinear
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -175,7 +173,7 @@ def _supports_kv(fmt) -> bool:
 
 
 class FusedDecode:
-    """Model.forward for a decode step of up to MAX_ROWS sequences, as one compiled call.
+    """Model.forward for a decode step, as one compiled call.
     `supports(model, fmt)` says whether a model and KV format can run it."""
 
     @staticmethod

@@ -147,16 +147,14 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 
 def make_linear(w: dict, names: list[str], dtype: str, blocks: dict | None, bias=None, rows=None):
     """One Linear over the named weights fused along the output rows (rows: per-name row
-    rearrangement). With dtype gguf, weights the file keeps in blocks stay in them (BlockLinear,
-    which also keeps the fp32 weight for calls with many rows); a fused weight whose parts are
-    not all blocks of one kind runs fp32."""
+    rearrangement). With dtype gguf, weights the file keeps in blocks stay in them (BlockLinear);
+    a fused weight whose parts are not all blocks of one kind runs fp32."""
     fix = [(lambda t: t) if r is None else r for r in (rows or [None] * len(names))]
     parts = [f(w[n]) for n, f in zip(names, fix, strict=True)]
     weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: the tensor itself (tied
-    # embeddings stay one tensor: Model.to, and the embedding table a gguf head's fp32 copy shares)
+    # embeddings stay one tensor for Model.to)
     if dtype == "gguf" and blocks and all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1:
-        return BlockLinear(Blocks.cat([blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]), bias,
-                           fp32=weight)
+        return BlockLinear(Blocks.cat([blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]), bias)
     return Linear(weight, bias, "fp32" if dtype == "gguf" else dtype)
 
 

@@ -41,7 +41,7 @@ import torch
 
 from kvgen import gpu
 from kvgen.engine.attention import KernelAttention, KernelStep, Step
-from kvgen.engine.fused_decode import MAX_ROWS, FusedDecode
+from kvgen.engine.fused_decode import FusedDecode
 from kvgen.engine.model import Model
 from kvgen.engine.threads import in_fresh_thread
 from kvgen.gpu import ops as gpu_ops  # imports without CuPy; called only on a kernel step
@@ -90,7 +90,7 @@ class ModelRunner:
     width: block-table columns of a kernel step (the most blocks one sequence can hold;
         default: enough for the model's context).
     kernels: see pick_kernel_attention.
-    fused: run decode steps of up to MAX_ROWS sequences through FusedDecode where it supports the
+    fused: run decode rows through FusedDecode where it supports the
         model and format (False: always Model.forward; tests compare the two).
     """
 
@@ -127,11 +127,6 @@ class ModelRunner:
             in_fresh_thread(self.fused.compile)  # its OpenMP pool goes with the thread (threads.py)
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
 
-    def fuses(self, rows: int) -> bool:
-        """Whether a decode step of this many query rows (a sequence's new token, plus one per
-        drafted token) runs fused."""
-        return self.fused is not None and rows <= MAX_ROWS
-
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each
         sequence's last new token; writes the new tokens' K/V into the store. Sequences that
@@ -142,9 +137,9 @@ class ModelRunner:
         self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
         fusable = [i for i, w in enumerate(wanted) if self._fusable(*w)]
-        if len(fusable) == len(wanted) and self.fuses(sum(n for _, n, _ in wanted)):
+        if fusable and len(fusable) == len(wanted):
             logits = self._fused_step(wanted)
-        elif fusable and self.fuses(sum(wanted[i][1] for i in fusable)):
+        elif fusable:
             logits = self._split_step(batch, wanted, fusable)
         elif self.kernel_attention is not None and not self.keep_features and all(
                 n == 1 and not m for _, n, m in wanted):
@@ -168,7 +163,7 @@ class ModelRunner:
     def _split_step(self, batch: Batch, wanted, fusable: list[int]) -> torch.Tensor:
         """A step that mixes decode rows with prompt chunks: the decode rows run fused, the rest
         through Model.forward, so a decoding sequence's rows are computed the same way whatever
-        shares its step (and skip the fp32 matmul a long chunk would take them through). Logits
+        shares its step. Logits
         in run()'s order: each sequence's last row, then every sequence's extra rows."""
         chosen = set(fusable)
         rest = [i for i in range(len(wanted)) if i not in chosen]

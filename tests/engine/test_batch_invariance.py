@@ -1,13 +1,14 @@
 """Batch composition never changes an output with fp32 weights (WEIGHT_DTYPE=fp32, and auto on a
-model without GGUF blocks) and every other setting at its default.
+model without GGUF blocks), with the default on a quantized GGUF (gguf weights: the block kernels
+for every matmul, decode rows in the fused step), and every other setting at its default.
 
 A seeded or greedy request gives the same tokens alone, submitted together with 8 other streams
 (their prefills share its steps), and joining a batch of 8 that are already decoding; the others
 differ in prompt length, output length and sampling. Two sessions whose turns interleave (or run
 side by side) give the same tokens as the same sessions run one after the other.
 
-Runs on a small random fp32 Llama (hidden 256, chunked prefill of its longest neighbour) in
-`make test`, and on the embedded SmolLM2 (the real model's matmul shapes, where a kernel's blocking
+Runs on a small random Llama (hidden 256, chunked prefill of its longest neighbour), in fp32 and
+as a Q4_1 GGUF, in `make test`, and on the embedded SmolLM2 (the real model's matmul shapes, where a kernel's blocking
 could depend on the batch's row count) in `make test-slow`: a 135M model's steps on shared CPUs
 take minutes for these batches. Through the Python API's async handles on the Generator's bridge
 loop.
@@ -17,14 +18,16 @@ from __future__ import annotations
 
 import asyncio
 
+import gguf
 import pytest
 
-from kvgen.engine.generator import EngineOptions, Generator
+from kvgen.engine.generator import EngineOptions, Generator, load_model
+from kvgen.engine.loader import embedded_model_path
 from kvgen.engine.model import Model
 from kvgen.engine.request import Request
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.tokenizer import TextTokenizer
-from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights
+from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights, write_gguf
 
 TARGET = "Once upon a time, in a small village by the sea,"
 SEEDED = SamplingParams(temperature=0.8, seed=1234, max_new_tokens=16, ignore_eos=True)
@@ -47,19 +50,40 @@ OTHERS = [
 ]
 
 
+SMALL = tiny_config(vocab=300, layers=3, hidden=256, heads=8, kv_heads=2, ffn=704, context=2048)
+
+
 def small_model():
     tok = TextTokenizer(tiny_bpe_tokenizer(300), CHATML_TEMPLATE, bos_id=None, add_bos=False,
                         special_ids={0, 1, 2}, eos_token="<|im_end|>")
-    cfg = tiny_config(vocab=300, layers=3, hidden=256, heads=8, kv_heads=2, ffn=704, context=2048)
-    return Model(cfg, tiny_weights(cfg, seed=17)), tok
+    return Model(SMALL, tiny_weights(SMALL, seed=17)), tok
 
 
-@pytest.fixture(scope="module", params=["small", pytest.param("embedded", marks=pytest.mark.slow)])
-def engine(request):
-    """An engine of its own with every default setting, over an fp32 model."""
-    pair = small_model() if request.param == "small" else request.getfixturevalue("embedded")
-    assert pair[0].weight_dtype == "fp32"
+def small_gguf_model(path):
+    """small_model's weights in a Q4_1 GGUF, loaded with the default WEIGHT_DTYPE (auto: gguf)."""
+    write_gguf(path, SMALL, tiny_weights(SMALL, seed=17), tiny_bpe_tokenizer(300),
+               qtype=gguf.GGMLQuantizationType.Q4_1)
+    model = load_model(str(path))[0]
+    assert model.weight_dtype == "gguf"
+    return model, small_model()[1]
+
+
+@pytest.fixture(scope="module", params=["small", "small-gguf", pytest.param("embedded", marks=pytest.mark.slow),
+                                        pytest.param("embedded-gguf", marks=pytest.mark.slow)])
+def engine(request, tmp_path_factory):
+    """An engine of its own with every default setting, over an fp32 model or a Q4_1 GGUF."""
+    if request.param == "small":
+        pair = small_model()
+    elif request.param == "small-gguf":
+        pair = small_gguf_model(tmp_path_factory.mktemp("invariance") / "small.gguf")
+    elif request.param == "embedded":
+        pair = request.getfixturevalue("embedded")
+    else:
+        pair = load_model(embedded_model_path())
+    assert pair[0].weight_dtype == ("gguf" if request.param.endswith("gguf") else "fp32")
     g = Generator(*pair, EngineOptions())
+    if request.param.endswith("gguf"):  # decode rows run fused, prompt chunks through the kernels
+        assert g.engine.runner.fused is not None
     yield g
     g.close()
 
@@ -153,3 +177,4 @@ def test_interleaved_sessions_equal_sequential(engine):
         return {name: [t for t, _ in turns] for name, turns in runs.items()}
     assert tokens(run(_sessions(engine, "alternating"))) == tokens(sequential)
     assert tokens(run(_sessions(engine, "side_by_side"))) == tokens(sequential)
+

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvgen.engine.attention import Step
-from kvgen.engine.fused_decode import MAX_ROWS, FusedDecode
+from kvgen.engine.fused_decode import FusedDecode
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
@@ -17,6 +17,9 @@ from kvgen.engine.sampling import SamplingParams
 from tests.engine.test_loader import bpe, gguf_base  # noqa: F401  (fixtures)
 from tests.engine.test_oracle import RAW, hf_greedy
 from tests.tiny import write_gguf
+
+# more rows than a kernel call takes at once (cpu_kernels.ROWS_AT_ONCE), and not a multiple of it
+MANY = 33
 
 
 def assert_near(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -80,7 +83,7 @@ def prefill(model, fmt, pool, ids) -> PagedKVCache:
     return cache
 
 
-@pytest.mark.parametrize("rows", [2, 3, MAX_ROWS])
+@pytest.mark.parametrize("rows", [2, 3, MANY])
 def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
     """Sequences of different lengths (14 to 14 + 3 * rows: one block, two, a block's last slot)
     decode one token each in one fused step: the batched forward's logits and K/V."""
@@ -108,16 +111,16 @@ def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
 def test_a_rows_logits_do_not_depend_on_the_others_in_a_fused_step(q4_model):
     """Every op of the fused step is per row (the kernels' integer sums are exact, their fp32
     scaling and every norm and attention loop run row by row), so a sequence's logits and K/V are
-    bit-identical decoded alone, beside 4 others, and beside MAX_ROWS - 1 others in any order."""
+    bit-identical decoded alone, beside 4 others, and beside MANY - 1 others in any order."""
     m, cfg = q4_model, q4_model.cfg
     fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(3, cfg.vocab_size, (9 + 2 * i,), generator=g).tolist() for i in range(MAX_ROWS)]
-    nxt = torch.randint(3, cfg.vocab_size, (MAX_ROWS,), generator=g).tolist()
+    prompts = [torch.randint(3, cfg.vocab_size, (9 + 2 * i,), generator=g).tolist() for i in range(MANY)]
+    nxt = torch.randint(3, cfg.vocab_size, (MANY,), generator=g).tolist()
     fused = FusedDecode(m)
     results = []
-    for order in ([0], [3, 0, 1, 2, 4], list(range(MAX_ROWS))[::-1]):
-        pool = BlockPool(fmt, 4 * MAX_ROWS)
+    for order in ([0], [3, 0, 1, 2, 4], list(range(MANY))[::-1]):
+        pool = BlockPool(fmt, 4 * MANY)
         caches = {i: prefill(m, fmt, pool, prompts[i]) for i in order}
         logits = fused([(nxt[i], caches[i].length, caches[i].blocks) for i in order], pool.store)
         results.append((logits[order.index(0)], pool.store["kv"][caches[0].blocks]))

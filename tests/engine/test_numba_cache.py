@@ -16,10 +16,10 @@ CALLEES = """
 import numpy as np
 from kvgen.engine import cpu_kernels as ck
 x = np.zeros((2, 64), np.float32)
-y, d = np.zeros((2, 64), np.float32), np.zeros((1, 2, 64), np.float32)
+y, d = np.zeros((2, ck.TILE), np.float32), np.zeros((1, 2, ck.TILE), np.float32)
 xq, dx, xs = ck.quantize(x)
-ck.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, 64, 2), np.uint8), d, d, y)
-ck.q8_matmul(xq, dx, np.zeros((1, 2, 16, 64, 2), np.int8), d, y)
+ck.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), d, d, y)
+ck.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), d, y)
 """
 START = "from kvgen.engine.blocks import compile_kernels; compile_kernels()"
 
