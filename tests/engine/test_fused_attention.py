@@ -41,6 +41,23 @@ def rows_like(gen, n):
     return x
 
 
+def test_fp8_codes_read_back_as_the_formats_read_bit_for_bit():
+    """Every E4M3 code the write can produce (all but the two NaNs), subnormals and both signs
+    included, reads back as fp8's own dequantize (its float value times the block's scale),
+    bit for bit, though the read moves bits instead of looking the value up."""
+    fmt = make_format("fp8", L, BS, KVH, HD)
+    store = fmt.allocate(1)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8)  # 256
+    store["kv"].view(torch.uint8)[0, 1, 0] = codes.reshape(4, KVH, HD).repeat(BS // 4, 1, 1)
+    for scale in (0.013, 3.7, 1e-4):
+        store["scale"][0, 1, 0] = scale
+        tile = np.empty((BS, HD), np.float32)
+        for h in range(KVH):
+            fused_attention._load(fused_attention.cache_tuple(fmt, store), 1, 0, 0, h, BS, tile)
+            want = store["kv"][0, 1, 0, :, h].float() * torch.tensor(scale, dtype=torch.float32)
+            assert torch.equal(torch.from_numpy(tile).view(torch.int32), want.view(torch.int32))
+
+
 @pytest.mark.parametrize("name", ["fp8", "q4"])
 def test_the_write_is_the_formats_write_byte_for_byte(name):
     """Tokens written one at a time through blocks (offset 0 of a reused block starts it over):

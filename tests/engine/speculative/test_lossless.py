@@ -20,7 +20,7 @@ from kvgen.engine.loader import embedded_model_path
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
 from tests.engine.test_batch_invariance import small_model
-from tests.engine.test_oracle import CHATS, RAW
+from tests.engine.test_oracle import CHATS, RAW, hf_greedy
 from tests.tiny import tiny_config, tiny_weights
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
@@ -207,7 +207,9 @@ def int4_draft():
     return load_model(embedded_model_path(), "int4")[0]
 
 
-def _oracle_check(embedded, int4_draft, prompts, concurrent):
+def _oracle_check(embedded, int4_draft, prompts, concurrent, hf_model):
+    """Each drafter's greedy tokens equal plain decoding's; the draft model's also equal
+    transformers' greedy generate on the same GGUF (the oracle), prompt by prompt."""
     params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
     plain = Generator(*embedded, EngineOptions())
     gens = [Generator(*embedded, EngineOptions(speculative="ngram")),
@@ -215,22 +217,27 @@ def _oracle_check(embedded, int4_draft, prompts, concurrent):
     try:
         want = _generate(plain, prompts, params, concurrent)
         for g in gens:
-            assert _generate(g, prompts, params, concurrent) == want
+            got = _generate(g, prompts, params, concurrent)
+            assert got == want
             assert g.scheduler.kv.used == 0
+        engine = gens[1].engine  # the draft model did draft, and was right
+        assert engine.drafted_tokens > 0 and engine.accepted_tokens > 0
+        for prompt, tokens in zip(prompts, got, strict=True):
+            assert tokens == hf_greedy(hf_model[0], plain.tokenize(prompt), 32), prompt
     finally:
         for g in [plain, *gens]:
             g.close()
 
 
-def test_greedy_equals_plain_on_the_embedded_model(embedded, int4_draft):
-    _oracle_check(embedded, int4_draft, [RAW[4], RAW[1]], 1)
+def test_greedy_equals_plain_on_the_embedded_model(embedded, int4_draft, hf_model):
+    _oracle_check(embedded, int4_draft, [RAW[4], RAW[1]], 1, hf_model)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("concurrent", [1, 8])
-def test_greedy_equals_plain_on_oracle_prompts_and_32_more(embedded, int4_draft, concurrent):
+def test_greedy_equals_plain_on_oracle_prompts_and_32_more(embedded, int4_draft, hf_model, concurrent):
     prompts = RAW + CHATS + [f"Item {i}: " + " ".join(WORDS[i % 7:i % 7 + 9]) + ". Repeat it:" for i in range(32)]
-    _oracle_check(embedded, int4_draft, prompts, concurrent)
+    _oracle_check(embedded, int4_draft, prompts, concurrent, hf_model)
 
 
 def test_a_request_may_opt_in_or_out(embedded):
