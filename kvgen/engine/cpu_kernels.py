@@ -28,10 +28,10 @@ A tile's loop over the blocks is written in LLVM IR (`_tile_linear`), since Numb
 types: pmaddwd as the AVX-512 (16 rows a vector) or AVX2 (8) intrinsic where the CPU has it, else
 the portable multiply-and-add pattern that LLVM lowers to whatever the CPU has (the sums are the
 same integers either way, and the float arithmetic the same operations in the same order). On an
-AVX-512 Zen 4, 512-bit vectors took a 3072 x 576 Q4_1 matmul from 31 to 20 us at 1 row, and from
-14.6 to 10.7 us a row at 4 to 32 rows; keeping the block sums in registers instead of storing the
-integer dots and adding them up in a Numba loop saved another ~12%. Numba caches the compiled
-kernels per CPU, so a cache made on one CPU is not used on another.
+AVX-512 Zen 4, a 3072 x 576 Q4_1 matmul took 31 us at 1 row and 14.6 us a row at 4 to 32 rows when
+the integer dots were stored and added up in a Numba loop, 256 bits at a time; keeping the sums in
+registers took the second to 13.0, and 512-bit vectors then both to 20 and 10.7. Numba caches the
+compiled kernels per CPU, so a cache made on one CPU is not used on another.
 
 The kernels release the GIL (nogil): the engine thread runs them while the server's event loop
 goes on serving other calls, as it does during torch's ops.
