@@ -4,7 +4,7 @@ without stage.ExactTail, so a decode step over them stays one compiled call.
 Model.forward reads a quantized cache through the format's `read`, which dequantizes every
 block of the context into fresh fp32 tensors on every layer of every step: at 1k tokens that
 copy, not the arithmetic, is the step. Here attention dequantizes one block at a time into a
-scratch tile that stays in L1 (fp8 through a 256-entry table, q4 from its nibbles), so a step
+scratch tile that stays in L1 (fp8 by moving its bits, q4 from its nibbles), so a step
 touches the quantized bytes once and allocates nothing per token. It is the CPU twin of the GPU
 kernels (kvgen/gpu/kernels/kv_append.cu, flash_decode.cu):
 
@@ -216,7 +216,8 @@ def _load(c, layer, kv, b, h, n, tile):  # pragma: no cover - compiled
         # E4M3's bits moved into float32's places (sign to bit 31, exponent and mantissa up by 20)
         # make a float32 of the code's value times 2^-120 (the exponent biases differ by 120;
         # subnormal codes land on float32 subnormals, the same way): integer ops that vectorize,
-        # where a lookup table is a load per element, a third of a 1k-context step.
+        # where a lookup table is a load per element (fp8 decode at 1k context 66.6 -> 74.5
+        # tok/s when this replaced the table).
         s = c[SCALE][b, layer, kv, h] * np.float32(2.0 ** 120)
         bits = tile.view(np.int32)
         for t in range(n):

@@ -90,8 +90,8 @@ class ModelRunner:
     width: block-table columns of a kernel step (the most blocks one sequence can hold;
         default: enough for the model's context).
     kernels: see pick_kernel_attention.
-    fused: run decode rows through FusedDecode where it supports the
-        model and format (False: always Model.forward; tests compare the two).
+    fused: run decode rows through FusedDecode where it supports the model and format (False:
+        always Model.forward; tests compare the two).
     """
 
     def __init__(self, model: Model, fmt, store: dict, *, window: int = 0, chunk: int = 0,

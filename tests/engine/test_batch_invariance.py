@@ -53,10 +53,13 @@ OTHERS = [
 SMALL = tiny_config(vocab=300, layers=3, hidden=256, heads=8, kv_heads=2, ffn=704, context=2048)
 
 
+def small_tokenizer():
+    return TextTokenizer(tiny_bpe_tokenizer(300), CHATML_TEMPLATE, bos_id=None, add_bos=False,
+                         special_ids={0, 1, 2}, eos_token="<|im_end|>")
+
+
 def small_model():
-    tok = TextTokenizer(tiny_bpe_tokenizer(300), CHATML_TEMPLATE, bos_id=None, add_bos=False,
-                        special_ids={0, 1, 2}, eos_token="<|im_end|>")
-    return Model(SMALL, tiny_weights(SMALL, seed=17)), tok
+    return Model(SMALL, tiny_weights(SMALL, seed=17)), small_tokenizer()
 
 
 def small_gguf_model(path):
@@ -65,7 +68,7 @@ def small_gguf_model(path):
                qtype=gguf.GGMLQuantizationType.Q4_1)
     model = load_model(str(path))[0]
     assert model.weight_dtype == "gguf"
-    return model, small_model()[1]
+    return model, small_tokenizer()
 
 
 @pytest.fixture(scope="module", params=["small", "small-gguf", pytest.param("embedded", marks=pytest.mark.slow),
