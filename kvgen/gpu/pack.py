@@ -26,7 +26,15 @@ import math
 import types
 
 import numpy as np
-from numba import cuda
+
+# numba-cuda 0.30 (the newest release) registers an overload for np.row_stack whenever NumPy is
+# 2.x, but NumPy 2.5 removed that alias (a plain vstack), so its first kernel compile fails
+# with AttributeError there. Restore the alias before numba-cuda looks for it; drop this when
+# numba-cuda checks for the attribute as numba itself does.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import cuda  # noqa: E402 (after the alias above)
 
 # Element kinds of the x / out arrays: float32 values, or int16 bits of fp16 / bf16.
 F32, F16, BF16 = 0, 1, 2

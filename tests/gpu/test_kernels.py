@@ -234,7 +234,7 @@ def test_pack_kernels_match_quant(dtype):
     x[0, 0, 0] = 0
     x = x.to(DEV)
     q, scale = ops.pack_fp8(x)
-    ref_scale = x.float().abs().amax(dim=(-3, -1)) / quant.FP8_MAX
+    ref_scale = quant.divide(x.float().abs().amax(dim=(-3, -1)), quant.FP8_MAX)
     ref_q = quant.fp8_quantize(x, ref_scale[..., None, :, None])
     assert torch.equal(raw_bits(q), raw_bits(ref_q)) and torch.equal(raw_bits(scale), raw_bits(ref_scale))
     for out_dtype in DTYPES:
@@ -250,6 +250,16 @@ def test_pack_kernels_match_quant(dtype):
             assert torch.equal(raw_bits(got), raw_bits(quant.q4_dequantize(ref_p, ref_s, group).to(out_dtype)))
 
 
+def test_divide_rounds_like_the_kernels_on_the_device():
+    # The formats' scales divide through quant.divide; on CUDA a plain x / 448.0 would multiply
+    # by a rounded reciprocal and disagree with kv_append's "/" in the last bit.
+    from kvgen.engine.kv import quant
+
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) * 1000
+    for c in (quant.FP8_MAX, 7.0):
+        assert torch.equal(quant.divide(x.to(DEV), c).cpu(), (x.double() / c).float())
+
+
 def test_pack_into_store_slices():
     from kvgen.engine.kv import quant
     from kvgen.gpu import ops
@@ -259,7 +269,7 @@ def test_pack_into_store_slices():
     x = torch.randn(2, 16, 2, 64, device=DEV, dtype=torch.float16)  # one layer, k and v of a block
     ops.pack_fp8(x, store["kv"][2, 1], store["scale"][2, 1])
     k, v = fmt.read(store, 1, torch.tensor([2], device=DEV))
-    s = x.float().abs().amax(dim=(1, 3)) / quant.FP8_MAX
+    s = quant.divide(x.float().abs().amax(dim=(1, 3)), quant.FP8_MAX)
     deq = quant.fp8_dequantize(quant.fp8_quantize(x, s[:, None, :, None]), s[:, None, :, None])
     assert torch.equal(k[0], deq[0]) and torch.equal(v[0], deq[1])
 

@@ -58,6 +58,16 @@ def test_fp8_round_trip_bound(x):
     assert (err <= 2**-4 * x.abs().amax(-1, keepdim=True) * (1 + 1e-6)).all()
 
 
+def test_divide_is_the_correctly_rounded_quotient():
+    # The scales' divisions must round like the kernels' IEEE "/": the float64 quotient of two
+    # float32 values rounded once to float32 is exactly that. (The GPU half runs this on CUDA,
+    # where torch's x / 448.0 multiplies by a rounded reciprocal instead.)
+    x = torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)) * 1000
+    for c in (quant.FP8_MAX, 7.0):
+        want = (x.double() / c).float()
+        assert torch.equal(quant.divide(x, c), want)
+
+
 def test_fp8_zero_scale_and_saturation():
     x = torch.tensor([[1.0, -2.0], [1000.0, -1000.0]])
     q = quant.fp8_quantize(x, torch.tensor([[0.0], [1.0]]))

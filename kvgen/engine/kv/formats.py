@@ -180,7 +180,7 @@ class Fp8Format(KVFormat):
         fresh = torch.zeros(n_u, dtype=torch.bool, device=x.device)
         fresh[inv[offsets == 0]] = True
         old = torch.where(fresh.view(-1, 1, 1), 0.0, scale[ub])
-        new = torch.maximum(old, new_max / quant.FP8_MAX)
+        new = torch.maximum(old, quant.divide(new_max, quant.FP8_MAX))
 
         grow = (new > old) & ~fresh.view(-1, 1, 1)  # fresh blocks hold nothing worth keeping
         sel = grow.flatten(1).any(1)
@@ -286,7 +286,7 @@ class Q4Format(_GroupFormat):
         return self.head_dim // 2
 
     def _scale(self, amax):
-        return (amax / 7).to(torch.float16)
+        return quant.divide(amax, 7.0).to(torch.float16)
 
     def _encode(self, layer, kv_index, x, s):
         return quant.q4_encode(x, s)

@@ -46,6 +46,15 @@ import torch
 FP8_MAX = 448.0
 
 
+def divide(x: torch.Tensor, c: float) -> torch.Tensor:
+    """x / c rounded as IEEE division on every device. On CUDA, torch turns division by a
+    Python number into a multiply by its reciprocal, which can be one ulp off (1/448 and 1/7
+    are not exact); the CUDA kernels and the CPU path divide, so the scales must too. A 0-dim
+    tensor on x's device takes torch's tensor-by-tensor path (torch.full: no host copy, so
+    graph capture is unaffected)."""
+    return x / torch.full((), c, dtype=x.dtype, device=x.device)
+
+
 def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     x = x.float()
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
@@ -63,7 +72,7 @@ def fp8_quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks with one scale per block and head: x [*lead, T, kv_heads, head_dim] ->
     (q, scale [*lead, kv_heads] = absmax over (T, head_dim) / 448). kvgen.gpu.ops.pack_fp8 is
     the bulk kernel of exactly this."""
-    scale = x.float().abs().amax(dim=(-3, -1)) / FP8_MAX
+    scale = divide(x.float().abs().amax(dim=(-3, -1)), FP8_MAX)
     return fp8_quantize(x, scale[..., None, :, None]), scale
 
 
@@ -103,7 +112,7 @@ def q4_quantize(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor
     if x.shape[-1] % 2:
         raise ValueError("q4 needs an even last dim")
     xg = _groups(x.float(), group)
-    scale = (xg.abs().amax(-1) / 7).to(torch.float16)
+    scale = divide(xg.abs().amax(-1), 7.0).to(torch.float16)
     return q4_encode(x, scale.float().repeat_interleave(group, -1)), scale
 
 
