@@ -92,6 +92,8 @@ def compile_kernels() -> None:
     reproduced here with q4_linear over q4_matmul), so every process loads the callees first."""
     x = np.zeros((1, GROUP), np.float32)
     y, d, room = np.zeros((1, TILE), np.float32), np.zeros((1, 1, TILE), np.float32), cpu_kernels.scratch(1, GROUP)
+    scales = np.zeros((1, 1), np.float32)
+    cpu_kernels._round_parallel(x, np.zeros((1, GROUP), np.int16), scales, scales)  # quantize's callee
     xq, dx, xs = cpu_kernels.quantize(x)
     for dtype in (np.uint8, np.int8):
         cpu_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)

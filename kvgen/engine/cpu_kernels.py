@@ -212,22 +212,52 @@ def scratch(rows, k):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def _round(x, xq, dx, xs):  # pragma: no cover - compiled
-    """quantize(x) into the front of the flat scratch arrays; returns them as [M, K], [M, K/32] x2."""
+    """quantize(x) into the front of the flat scratch arrays; returns them as [M, K], [M, K/32] x2.
+    A call of many rows (a prompt chunk) cuts them among the threads: the same per-row code, so
+    a row's numbers do not depend on which did it (no fastmath here)."""
     rows, groups = x.shape[0], x.shape[1] // 32
     xq, dx, xs = xq[:x.size].reshape(x.shape), dx[:rows * groups].reshape((rows, groups)), \
         xs[:rows * groups].reshape((rows, groups))
-    for r in range(rows):
-        for g in range(groups):
-            top, total = np.float32(0), np.float32(0)
-            for j in range(g * 32, g * 32 + 32):
-                top = max(top, abs(x[r, j]))
-                total += x[r, j]
-            xs[r, g] = total
-            dx[r, g] = top / np.float32(32767)
-            inv = np.float32(32767) / top if top > 0 else np.float32(0)
-            for j in range(g * 32, g * 32 + 32):
-                xq[r, j] = np.int16(round(x[r, j] * inv))
+    if rows >= ROUND_IN_PARALLEL:
+        _round_parallel(x, xq, dx, xs)
+    else:
+        for r in range(rows):
+            _round_row(x[r], xq[r], dx[r], xs[r])
     return xq, dx, xs
+
+
+# Rows from which rounding is worth a parallel region (a few microseconds to start: too much for
+# the 120 roundings of a one-row decode step).
+ROUND_IN_PARALLEL = 16
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _round_parallel(x, xq, dx, xs):  # pragma: no cover - compiled
+    rows = x.shape[0]
+    parts = min(rows, PARTS)
+    for part in prange(parts):
+        for r in range(part * rows // parts, (part + 1) * rows // parts):
+            _round_row(x[r], xq[r], dx[r], xs[r])
+
+
+@njit(nogil=True, inline="always")
+def _round_row(x, xq, dx, xs):  # pragma: no cover - compiled
+    """One row: per block of 32, the largest |x| and the sum of x, folded in halves (lanes l,
+    l + 8, l + 16, l + 24 first: loops that vectorize, where one running max and sum did not;
+    1.16 -> 0.74 ns an input), then x rounded half to even in steps of top / 32767."""
+    top8, sum8 = np.empty(8, np.float32), np.empty(8, np.float32)
+    for g in range(x.shape[0] // 32):
+        b, q = x[g * 32:g * 32 + 32], xq[g * 32:g * 32 + 32]
+        for lane in range(8):
+            top8[lane] = max(max(abs(b[lane]), abs(b[lane + 8])), max(abs(b[lane + 16]), abs(b[lane + 24])))
+            sum8[lane] = (b[lane] + b[lane + 8]) + (b[lane + 16] + b[lane + 24])
+        top = max(max(max(top8[0], top8[1]), max(top8[2], top8[3])),
+                  max(max(top8[4], top8[5]), max(top8[6], top8[7])))
+        xs[g] = ((sum8[0] + sum8[1]) + (sum8[2] + sum8[3])) + ((sum8[4] + sum8[5]) + (sum8[6] + sum8[7]))
+        dx[g] = top / np.float32(32767)
+        inv = np.float32(32767) / top if top > 0 else np.float32(0)
+        for j in range(32):
+            q[j] = np.int16(np.rint(b[j] * inv))
 
 
 @njit(cache=True, nogil=True)

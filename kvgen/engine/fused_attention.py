@@ -200,6 +200,38 @@ def _write_q4(codes, vscale, kscale, layer, h, b, off, k, v, group, lut):  # pra
 
 # ---- attend -----------------------------------------------------------------------------
 
+@njit(fastmath=True, nogil=True, inline="always")
+def exp_parts(x, i, room, bits):  # pragma: no cover - compiled
+    """exp(x) = p 2^k for -87 <= x <= 88: room[i] = p and bits[i] = the bits of the float 2^k
+    ((k + 127) << 23, through an int32 view of the caller's output). Cephes' expf: x = k ln 2 + r
+    (ln 2 in two parts), a degree-7 polynomial in r, relative error under 1e-7. Loops of it
+    vectorize, where math.exp is a library call per element (3.0 ns against 1.4)."""
+    k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))  # float32 (math.floor: an int64)
+    r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
+    y = np.float32(1.9875691500e-4)
+    y = y * r + np.float32(1.3981999507e-3)
+    y = y * r + np.float32(8.3334519073e-3)
+    y = y * r + np.float32(4.1665795894e-2)
+    y = y * r + np.float32(1.6666665459e-1)
+    y = y * r + np.float32(5.0000001201e-1)
+    room[i] = y * (r * r) + r + np.float32(1)
+    bits[i] = (np.int32(k) + 127) << 23
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def exp_shifted(s, n, top, room):  # pragma: no cover - compiled
+    """s[:n] = exp(s[:n] - top) for scores s <= top (below exp(-87): exp(-87)); returns their
+    sum. room: scratch of n floats."""
+    bits = s.view(np.int32)
+    for p in range(n):
+        exp_parts(max(s[p] - top, np.float32(-87.0)), p, room, bits)
+    total = np.float32(0)
+    for p in range(n):
+        s[p] *= room[p]
+        total += s[p]
+    return total
+
+
 @njit(fastmath=True, cache=True, nogil=True)
 def _load(c, layer, kv, b, h, n, tile):  # pragma: no cover - compiled
     """tile[:n] = the first n rows of block b's K (kv=0) or V (1) for head h, as the format's read
@@ -271,13 +303,10 @@ def _attend_split(q, c, layer, table, r, kh, group, n_keys, j0, j1, block, scale
                 for i in range(head_dim):
                     s += qh[i] * key[i]
                 scores[g, j * block + t - t0] = s * scale
+    room = np.empty(scores.shape[1], np.float32)
     for g in range(group):
         m = scores[g].max()
-        tot = np.float32(0)
-        for t in range(scores.shape[1]):
-            scores[g, t] = math.exp(scores[g, t] - m)
-            tot += scores[g, t]
-        top[g], total[g] = m, tot
+        top[g], total[g] = m, exp_shifted(scores[g], scores.shape[1], m, room)
     for j in range(j0, j1):
         n = min(block, n_keys - j * block)
         _load(c, layer, 1, table[j], kh, n, tile)

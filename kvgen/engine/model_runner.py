@@ -120,9 +120,10 @@ class ModelRunner:
         # small decode steps as one compiled call (fused_decode.py), where the model and format allow it
         fusable = fused and not (window or chunk) and FusedDecode.supports(model, fmt)
         self.fused = FusedDecode(model) if fusable else None
-        # a draft's rows are verified fused over plain fp32 KV only: a quantized block's later rows
-        # can move its scale (requantizing the earlier ones) before the earlier rows attend
-        self._fused_drafts = fmt.name == "fp32"
+        # several rows of one sequence (prompt chunks, drafts) run fused over plain fp32 KV only: a
+        # quantized block's later rows can move its scale (requantizing the earlier ones) before
+        # the earlier rows attend, and an exact tail would need its slots for every block of a chunk
+        self._fused_chunks = fmt.name == "fp32"
         if self.fused is not None:
             in_fresh_thread(self.fused.compile)  # its OpenMP pool goes with the thread (threads.py)
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
@@ -155,10 +156,13 @@ class ModelRunner:
         return logits[:len(batch)]
 
     def _fusable(self, seq, n: int, m: int) -> bool:
-        """Whether seq's rows this step can run in FusedDecode: one new token, or a draft's k + 1
-        (over plain fp32 KV), from the start of its cache (no window)."""
+        """Whether seq's rows this step can run in FusedDecode: one new token, or (over plain fp32
+        KV) a prompt chunk or a draft's k + 1, from the start of its cache (no window). A prompt
+        row then goes through the very operations a decode row does, whatever the chunk: its K/V
+        and logits do not depend on how the prompt was cut, on what shares the step, or on
+        whether the prefix cache supplied the tokens before it."""
         return (self.fused is not None and not self.keep_features and seq.cache.kv_start == 0
-                and (n == 1 and not m or seq.draft and m == n - 1 and self._fused_drafts))
+                and (n == 1 and not m or self._fused_chunks and (not seq.draft or m == n - 1)))
 
     def _split_step(self, batch: Batch, wanted, fusable: list[int]) -> torch.Tensor:
         """A step that mixes decode rows with prompt chunks: the decode rows run fused, the rest
@@ -179,19 +183,20 @@ class ModelRunner:
         return both[[last[i] for i in order] + [r for i in order for r in extra[i]]]
 
     def _fused_step(self, wanted) -> torch.Tensor:
-        """A decode step through FusedDecode: one row per new token, a drafted sequence's k + 1
-        tokens as k + 1 rows at consecutive positions over the same block table (each row writes
-        its K/V before any row attends, and attends up to its own position: the causal mask of a
-        prefill chunk). Logits in run()'s order: each sequence's last row, then the drafts' rows."""
+        """A step through FusedDecode: one row per new token, a sequence's n tokens (a prompt
+        chunk, or a draft's k + 1) as n rows at consecutive positions over the same block table
+        (each row writes its K/V before any row attends, and attends up to its own position: the
+        causal mask of a prefill chunk). Logits in run()'s order: each sequence's last row, then
+        its extra rows (the first m of its rows: prompt positions asked for, or every draft row
+        but the last); no other row's logits are computed."""
         rows, last, extra = [], [], []
-        for seq, n, _ in wanted:
+        for seq, n, m in wanted:
             start = seq.cache.length
             tokens = (seq.tokens + seq.draft)[start:start + n] if seq.draft else seq.tokens[start:start + n]
-            extra.extend(range(len(rows), len(rows) + n - 1))
+            extra.extend(range(len(rows), len(rows) + m))
             rows.extend((t, start + i, seq.cache.blocks) for i, t in enumerate(tokens))
             last.append(len(rows) - 1)
-        logits = self.fused(rows, self.store, self.fmt)
-        return logits if not extra else logits[last + extra]
+        return self.fused(rows, self.store, self.fmt, need=last + extra)
 
     # ---- TorchAttention: any step ----
 

@@ -157,8 +157,8 @@ def test_default_weights_decode_like_transformers(hf_model):
 
 
 def test_drafts_are_verified_in_the_fused_step(q4_model, bpe):  # noqa: F811
-    """Prompt lookup over gguf weights: the drafts are verified as rows of the fused step (only the
-    prompt's prefill takes Model.forward), and the tokens are plain decoding's."""
+    """Prompt lookup over gguf weights: the drafts are verified as rows of the fused step (the
+    prompt's prefill too: no step takes Model.forward), and the tokens are plain decoding's."""
     from kvgen.engine.tokenizer import TextTokenizer
     from tests.tiny import CHATML_TEMPLATE
 
@@ -168,14 +168,14 @@ def test_drafts_are_verified_in_the_fused_step(q4_model, bpe):  # noqa: F811
     prompt = list(range(3, 15)) * 4  # repeats: prompt lookup has drafts to offer
     plain = Generator(q4_model, tok, EngineOptions())
     spec = Generator(q4_model, tok, EngineOptions(speculative="ngram"))
-    forwards = []
-    forward = spec.engine.runner._forward
+    forwards, rows = [], []
+    forward, fused = spec.engine.runner._forward, spec.engine.runner.fused
     spec.engine.runner._forward = lambda batch, wanted: forwards.append(len(batch)) or forward(batch, wanted)
+    spec.engine.runner.fused = lambda r, *a, **k: rows.append(len(r)) or fused(r, *a, **k)
     try:
-        assert spec.engine.runner.fused is not None
         assert spec.generate(prompt, params).token_ids == plain.generate(prompt, params).token_ids
         assert spec.engine.drafted_tokens > 0
-        assert forwards == [1]
+        assert forwards == [] and rows[0] == len(prompt) and max(rows[1:]) > 1
     finally:
         plain.close()
         spec.close()
@@ -200,10 +200,12 @@ def test_a_drafts_rows_in_one_step_equal_one_step_each(q4_model):
     assert torch.equal(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][caches[0].blocks])
 
 
-def test_decode_rows_in_a_step_with_prompt_chunks_run_fused_and_keep_their_logits(q4_model, bpe):  # noqa: F811
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+def test_decode_rows_in_a_step_with_prompt_chunks_run_fused_and_keep_their_logits(q4_model, bpe, kv):  # noqa: F811
     """Requests that arrive (and prefill, in chunks) while a request decodes share its steps: its
-    decode rows still run fused, the chunks through Model.forward, so its tokens and their
-    logprobs are bit for bit those of the request decoded alone."""
+    decode rows still run fused (with fp32 KV the chunks too, in the same call; with fp8 the
+    chunks take Model.forward beside it), so its tokens and their logprobs are bit for bit those
+    of the request decoded alone."""
     from kvgen.engine.tokenizer import TextTokenizer
     from tests.tiny import CHATML_TEMPLATE
 
@@ -211,10 +213,15 @@ def test_decode_rows_in_a_step_with_prompt_chunks_run_fused_and_keep_their_logit
                         eos_token="<|im_end|>")
     target = list(range(3, 20))
     params = SamplingParams(temperature=0.8, seed=3, max_new_tokens=24, ignore_eos=True, logprobs=1)
-    gen = Generator(q4_model, tok, EngineOptions(token_budget=48, prefix_cache=False))
-    split = []
-    step = gen.engine.runner._split_step
-    gen.engine.runner._split_step = lambda *a: split.append(1) or step(*a)
+    gen = Generator(q4_model, tok, EngineOptions(token_budget=48, prefix_cache=False, kv_dtype=kv))
+    split = []  # steps with decode rows and prompt chunks
+    runner = gen.engine.runner
+    if kv == "fp32":
+        step = runner._fused_step
+        runner._fused_step = lambda wanted: split.append({n for _, n, _ in wanted} > {1}) or step(wanted)
+    else:
+        step = runner._split_step
+        runner._split_step = lambda *a: split.append(True) or step(*a)
     try:
         alone = gen.generate(target, params)
 
@@ -231,8 +238,37 @@ def test_decode_rows_in_a_step_with_prompt_chunks_run_fused_and_keep_their_logit
             return ids, logprobs
 
         ids, logprobs = gen.bridge.run(joined())
-        assert split, "no step mixed decode rows with prompt chunks"
+        assert any(split), "no step mixed decode rows with prompt chunks"
         assert ids == alone.token_ids
         assert logprobs == [s.logprob for s in alone.logprobs]
     finally:
         gen.close()
+
+
+def test_prompt_rows_do_not_depend_on_how_the_prompt_was_cut(q4_model, bpe):  # noqa: F811
+    """With fp32 KV a prompt chunk runs as rows of the fused step, each through a decode row's
+    operations: the prompt prefilled whole, in chunks of 7 (token_budget), or after a prefix-cache
+    hit on its first 32 tokens gives bit for bit the same logprobs (the prompt's too) and tokens."""
+    from kvgen.engine.tokenizer import TextTokenizer
+    from tests.tiny import CHATML_TEMPLATE
+
+    tok = TextTokenizer(bpe, CHATML_TEMPLATE, bos_id=None, add_bos=False, special_ids={0, 1, 2},
+                        eos_token="<|im_end|>")
+    prompt = torch.randint(3, q4_model.cfg.vocab_size, (61,), generator=torch.Generator().manual_seed(2)).tolist()
+
+    def run(budget, prompt_logprobs=None, warm=False):
+        params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, logprobs=2,
+                                prompt_logprobs=prompt_logprobs)
+        gen = Generator(q4_model, tok, EngineOptions(token_budget=budget, prefix_cache=warm))
+        try:
+            if warm:  # another request leaves the prompt's first two blocks in the prefix cache
+                gen.generate(prompt[:32] + [5, 6, 7], SamplingParams(max_new_tokens=1))
+            out = gen.generate(prompt, params)
+            assert out.usage.cached_tokens == (32 if warm else 0)
+            return (out.token_ids, [s.logprob for s in out.logprobs],
+                    [p.logprob for p in out.prompt_logprobs if p is not None])
+        finally:
+            gen.close()
+
+    assert run(7, 1) == run(512, 1)
+    assert run(512, warm=True) == run(512)
