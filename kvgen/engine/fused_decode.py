@@ -6,9 +6,12 @@ around its four matmuls, each a few microseconds of bookkeeping for a few hundre
 This is the same layer loop (model.py is the reference it is tested against) with every op a
 loop in one compiled function, the matmuls being cpu_kernels' block kernels: the step costs the
 weights' bytes and little else. It runs the steps it can (model_runner decides): sequences of one
-new token each (or a draft's k + 1), however many, fp32 keys and values (or fp8 / q4, which
-fused_attention.py writes and reads), no window or chunk, no bias; every other step takes
-Model.forward.
+new token each, however many, over fp32 keys and values or fp8 / q4 (which fused_attention.py
+writes and reads), and over fp32 KV also prompt chunks and drafts' k + 1 tokens, as rows at
+consecutive positions; no window or chunked attention, no bias. Every other step takes
+Model.forward. Each row runs the same operations whatever the other rows: the matmul kernels'
+rows are independent, norms and attention go row by row, so a prompt token's K/V and logits are
+those of the same token decoded alone.
 """
 
 from __future__ import annotations
