@@ -177,9 +177,11 @@ class KVManager:
         self.tiers.reset(table)
         self._emit("kv.preempt", table, blocks, tokens=n)
 
-    def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None) -> None:
+    def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None, partial: bool = True) -> None:
+        """The table's blocks into the prefix cache; its partly filled last block too unless the
+        table goes on writing (partial=False: a parked session, whose next turn may rewrite it)."""
         if self.prefix is not None and tokens is not None and table.first == 0:
-            self.prefix.insert(salt, tokens, table)
+            self.prefix.insert(salt, tokens, table, partial)
 
     # sessions
 
@@ -192,7 +194,7 @@ class KVManager:
         if table in self._dropped:
             self.release(table, salt, tokens)
             return
-        self._index(table, salt, tokens)
+        self._index(table, salt, tokens, partial=False)
         self._parked.pop(table, None)
         self._parked[table] = None
         self.tiers.touch(table)
