@@ -123,8 +123,8 @@ class PrefixCache:
         (in the pool) begins with, their rows copied into a new block at the end of the table."""
         best, rows = None, 0
         for child in node.children.values():
-            n = 0
-            for a, b in zip(child.key, ids):
+            n = 0  # tokens in common (ids may be shorter or longer than the key)
+            for a, b in zip(child.key, ids, strict=False):
                 if a != b:
                     break
                 n += 1
