@@ -85,7 +85,7 @@ class Scheduler:
                                         len(seq.prompt_ids))
         elif not seq.keep_kv and seq.reuses_kv:  # a request of its own: the prefix cache may hold its start
             seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens), len(seq.prompt_ids))
-        if self.kv.reserve(seq.cache, min(seq.pending, budget)):
+        if not self._prefilled_by_another(seq) and self.kv.reserve(seq.cache, min(seq.pending, budget)):
             seq.resume_from = None
             return True
         if seq.resume_from is not None:  # waits with its prefix, which stays demotable meanwhile
@@ -94,6 +94,22 @@ class Scheduler:
             self.kv.release(seq.cache)
             seq.cached_tokens = 0
         return False
+
+    def _prefilled_by_another(self, seq: Sequence) -> bool:
+        """Whether a running request (same salt, the same prompt up to there) has yet to compute
+        the prompt block seq would compute next. seq then waits: the block joins the prefix cache
+        when it is written (Engine indexes prompt blocks as they complete), and seq shares it
+        instead of computing it a second time (SGLang's in-batch prefix sharing): of 8 chat
+        clients that arrive together, one computes the system prompt."""
+        if not seq.reuses_kv or seq.keep_kv:
+            return False
+        bs = self.kv.pool.block_size
+        end = (seq.cache.length // bs + 1) * bs
+        if end >= len(seq.prompt_ids):  # no whole block of the prompt ahead (its last token is computed anyway)
+            return False
+        head = seq.prompt_ids[:end]
+        return any(o.cache_salt == seq.cache_salt and o.reuses_kv and not o.keep_kv and o.cache.length < end
+                   and o.prompt_ids[:end] == head for o in self.running)
 
     def _reserve_running(self, seq: Sequence, n: int) -> bool:
         """Reserve for a running sequence, preempting the newest others until it fits."""

@@ -143,3 +143,21 @@ def _resend_history(on, off):
     alone = off.generate(history, params)
     assert again.token_ids == alone.token_ids
     assert [s.logprob for s in again.logprobs] == [s.logprob for s in alone.logprobs]
+
+
+def test_requests_arriving_together_compute_their_shared_start_once(make_gen):
+    """8 requests submitted at once that start with the same 40 tokens: one computes them, the
+    others wait a step for its whole blocks (indexed as they are written) and share them, and
+    every request's tokens are those of the cache off."""
+    on, off = make_gen(), make_gen(prefix_cache=False)
+    system = shared_prompt(on, 40)
+    prompts = [system + on.tokenize(f" Question {i}: what is on shelf {i}?") for i in range(8)]
+
+    async def together(g):
+        reqs = [g.submit(p, GREEDY) for p in prompts]
+        return [await r.result() for r in reqs]
+
+    got = on.bridge.run(together(on))
+    cached = sorted(r.usage.cached_tokens for r in got)
+    assert cached[0] == 0 and all(c >= 32 for c in cached[1:])  # the whole blocks of the 40, at least
+    assert [r.token_ids for r in got] == [r.token_ids for r in off.bridge.run(together(off))]
