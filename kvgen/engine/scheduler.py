@@ -101,7 +101,7 @@ class Scheduler:
         when it is written (Engine indexes prompt blocks as they complete), and seq shares it
         instead of computing it a second time (SGLang's in-batch prefix sharing): of 8 chat
         clients that arrive together, one computes the system prompt."""
-        if not seq.reuses_kv or seq.keep_kv:
+        if self.kv.prefix is None or not seq.reuses_kv or seq.keep_kv:  # nothing to share: no waiting
             return False
         bs = self.kv.pool.block_size
         end = (seq.cache.length // bs + 1) * bs

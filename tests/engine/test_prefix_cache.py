@@ -161,3 +161,8 @@ def test_requests_arriving_together_compute_their_shared_start_once(make_gen):
     cached = sorted(r.usage.cached_tokens for r in got)
     assert cached[0] == 0 and all(c >= 32 for c in cached[1:])  # the whole blocks of the 40, at least
     assert [r.token_ids for r in got] == [r.token_ids for r in off.bridge.run(together(off))]
+    # with the cache off nothing can be shared: nobody waits (all 8 prefill in the first step)
+    steps = []
+    off.engine.on_step = lambda batch, dt: steps.append(len(batch))
+    off.bridge.run(together(off))
+    assert steps[0] == 8
