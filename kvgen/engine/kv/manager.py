@@ -116,7 +116,7 @@ class KVManager:
         """A running request's prompt blocks written so far join the prefix cache now, not at
         its end, so a request that arrives meanwhile starting the same way shares them (whole
         blocks of the prompt only: nothing writes into them again)."""
-        self._index(table, salt, prompt, partial=False)
+        self._index(table, salt, prompt)
 
     def truncate(self, table: PagedKVCache, n: int) -> None:
         """A running sequence keeps only its first n tokens' K/V (speculative decoding's rejected
@@ -183,11 +183,9 @@ class KVManager:
         self.tiers.reset(table)
         self._emit("kv.preempt", table, blocks, tokens=n)
 
-    def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None, partial: bool = True) -> None:
-        """The table's blocks into the prefix cache; its partly filled last block too unless the
-        table goes on writing (partial=False: a parked session, whose next turn may rewrite it)."""
+    def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None) -> None:
         if self.prefix is not None and tokens is not None and table.first == 0:
-            self.prefix.insert(salt, tokens, table, partial)
+            self.prefix.insert(salt, tokens, table)
 
     # sessions
 
@@ -200,7 +198,7 @@ class KVManager:
         if table in self._dropped:
             self.release(table, salt, tokens)
             return
-        self._index(table, salt, tokens, partial=False)
+        self._index(table, salt, tokens)
         self._parked.pop(table, None)
         self._parked[table] = None
         self.tiers.touch(table)

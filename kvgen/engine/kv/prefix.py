@@ -1,16 +1,11 @@
 """The prefix cache: full KV blocks of past requests, indexed by their tokens, shared by later
 requests that start the same way (SGLang's radix cache, at block granularity).
 
-Each node of the tree is one block: its key is the block's token ids, its path from the root is
-everything before it, and it holds one pool reference to the block (through a one-block table,
-`holder`, so the tiers can move it). A request that starts with a node's path shares the node's
-block: only full blocks are shared and a sequence's own writes start after them, so no write
-ever lands in a shared block. A finished request's last, partly filled block is a node too (a
-leaf with a shorter key). Where the blocks stop matching, the request takes the longest run of
-tokens it has in common with one of the node's children and gets those rows copied into a block
-of its own (copy on write, done at the match): a chat client that resends its history finds
-the previous reply up to the token, not up to the last whole block (and where re-tokenizing the
-reply's text gave different ids than were generated, up to that token).
+Each node of the tree is one full block: its key is the block's block_size token ids, its path
+from the root is everything before it, and it holds one pool reference to the block (through a
+one-block table, `holder`, so the tiers can move it). A request that starts with a node's path
+shares the node's block: only full blocks are shared and a sequence's own writes start after
+them, so no write ever lands in a shared block (no copy on write is needed).
 
 Trees are per `cache_salt`: requests with different salts never share a block, so a tenant
 cannot learn from timing what another one sent (vLLM's reason for the salt). The KV format and
@@ -81,74 +76,45 @@ class PrefixCache:
         return sum(n.block == HOLE for n in self._nodes)
 
     def share_into(self, table: PagedKVCache, salt: str, ids: list[int]) -> int:
-        """Start an empty table with the longest run of cached full blocks that ids begin with,
-        then the rows it has in common with the next node (copied; see the module doc), at most
-        up to the last token: one token is always computed, for its logits. Blocks that were
-        demoted come back into the pool on the way; with no room for one, the match stops there.
-        Returns the tokens reused."""
+        """Start an empty table with the longest run of cached full blocks that ids begin with
+        (at most up to the last token: one token is always computed, for its logits). Blocks
+        that were demoted come back into the pool on the way; with no room for one, the match
+        stops there. Returns the tokens reused."""
         bs = self.block_size
-        node, shared, cut_short = self._roots.get(salt), [], False
+        node, shared = self._roots.get(salt), []
         for i in range((len(ids) - 1) // bs if node else 0):
-            child = node.children.get(tuple(ids[i * bs:(i + 1) * bs]))
-            if child is None:
+            node = node.children.get(tuple(ids[i * bs:(i + 1) * bs]))
+            if node is None:
                 break
-            if child.block == HOLE:
+            if node.block == HOLE:
                 if not self.pool.available:
-                    child.used = next(self._tick)  # the newest: trimming the tiers takes older leaves
+                    node.used = next(self._tick)  # the newest: trimming the tiers takes older leaves
                     self.evict(1)  # blocks matched so far are shared already: never the victims
-                    if not child.holder.blocks:  # trimmed out of the tiers all the same: the match ends
-                        cut_short = True
+                    if not node.holder.blocks:  # trimmed out of the tiers all the same: the match ends
                         break
                 try:
-                    self.tiers.promote(child.holder)
+                    self.tiers.promote(node.holder)
                 except PoolExhausted:
-                    cut_short = True
                     break
-            child.used = next(self._tick)
-            self.pool.share([child.block])
-            shared.append(child.block)
-            node = child
-        table.blocks, table.length = shared, len(shared) * bs
-        if node is not None and not cut_short:
-            self._copy_common_rows(node, table, ids[table.length:len(ids) - 1])
-        if table.blocks:
+            node.used = next(self._tick)
+            self.pool.share([node.block])
+            shared.append(node.block)
+        if shared:
+            table.blocks, table.length = shared, len(shared) * bs
             self.stats.hits += 1
             self.stats.hit_tokens += table.length
         else:
             self.stats.misses += 1
         return table.length
 
-    def _copy_common_rows(self, node: _Node, table: PagedKVCache, ids: list[int]) -> None:
-        """Past the last shared block: the most leading tokens of ids that one of node's children
-        (in the pool) begins with, their rows copied into a new block at the end of the table."""
-        best, rows = None, 0
-        for child in node.children.values():
-            n = 0  # tokens in common (ids may be shorter or longer than the key)
-            for a, b in zip(child.key, ids, strict=False):
-                if a != b:
-                    break
-                n += 1
-            if n > rows and child.block != HOLE:
-                best, rows = child, n
-        if best is None or not self.pool.available:
-            return
-        best.used = next(self._tick)
-        copy = self.pool.alloc(1)[0]
-        fmt, store = self.pool.fmt, self.pool.store
-        fmt.put_block(store, copy, fmt.take_block(store, best.block, rows), rows)
-        table.blocks.append(copy)
-        table.length += rows
-
-    def insert(self, salt: str, tokens: list[int], table: PagedKVCache, partial: bool = False) -> int:
-        """Index the table's full written blocks under their tokens, and with `partial` its partly
-        filled last one (only for a table that will write no more: its rows there are final).
-        The table keeps its own references. Returns how many blocks were new to the tree."""
+    def insert(self, salt: str, tokens: list[int], table: PagedKVCache) -> int:
+        """Index the table's full written blocks under their tokens (the table keeps its own
+        references). Returns how many blocks were new to the tree."""
         bs = self.block_size
         node = self._roots.setdefault(salt, _Node((), None, None))
         added = 0
-        written = min(table.length, len(tokens))
-        for i in range(-(-written // bs) if partial else written // bs):
-            key = tuple(tokens[i * bs:min((i + 1) * bs, written)])
+        for i in range(min(table.length, len(tokens)) // bs):
+            key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if child is None:
                 block = table.blocks[i]
