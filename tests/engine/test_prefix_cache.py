@@ -152,7 +152,8 @@ def test_requests_arriving_together_compute_their_shared_start_once(make_gen):
     prompts = [system + on.tokenize(f" Question {i}: what is on shelf {i}?") for i in range(8)]
 
     async def together(g):
-        reqs = [g.submit(p, GREEDY) for p in prompts]
+        with g.engine._cv:  # the engine thread takes the 8 in one go (a reentrant lock: submit takes it too)
+            reqs = [g.submit(p, GREEDY) for p in prompts]
         return [await r.result() for r in reqs]
 
     got = on.bridge.run(together(on))
