@@ -204,12 +204,10 @@ class Engine:
             seq.prompt_logprobs += token_logprobs(chunk, seq.prompt_ids[start + 1:start + 1 + len(chunk)],
                                                   seq.params.prompt_logprobs)
         starts = [seq.cache.length for seq, _ in batch]
-        bs = self.scheduler.kv.pool.block_size
         for seq, n in batch:
             self.scheduler.kv.advance(seq.cache, n, self._oldest_needed(seq.cache.length + n))
-            if seq.reuses_kv and not seq.keep_kv and seq.cache.length - n < len(seq.prompt_ids) \
-                    and seq.cache.length // bs > (seq.cache.length - n) // bs:  # a prompt block completed
-                self.scheduler.kv.index_prompt(seq.cache, seq.cache_salt, seq.prompt_ids)
+            if seq.shares_prompt:
+                self.scheduler.kv.index_prompt(seq.cache, seq.cache_salt, seq.prompt_ids, n)
         self.steps += 1
         if self.on_step:  # before anything finishes: a request's last step belongs to its record
             self.on_step(batch, time.perf_counter() - t0)

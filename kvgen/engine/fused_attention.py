@@ -205,7 +205,8 @@ def exp_parts(x, i, room, bits):  # pragma: no cover - compiled
     """exp(x) = p 2^k for -87 <= x <= 88: room[i] = p and bits[i] = the bits of the float 2^k
     ((k + 127) << 23, through an int32 view of the caller's output). Cephes' expf: x = k ln 2 + r
     (ln 2 in two parts), a degree-7 polynomial in r, relative error under 1e-7. Loops of it
-    vectorize, where math.exp is a library call per element (3.0 ns against 1.4)."""
+    vectorize, where math.exp is a library call per element (softmax over 512 scores: 3.0 ns a
+    score with math.exp, 1.4-1.9 with this)."""
     k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))  # float32 (math.floor: an int64)
     r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
     y = np.float32(1.9875691500e-4)

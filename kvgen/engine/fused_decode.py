@@ -137,7 +137,8 @@ def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gat
     gu = np.empty((rows, gate_up[1].shape[1] * gate_up[1].shape[-1]), np.float32)
     act = np.empty((rows, inter), np.float32)
     d_out = np.empty((rows, down[1].shape[1] * down[1].shape[-1]), np.float32)
-    room = cpu_kernels.scratch(rows, max(hidden, inter, heads * head_dim))
+    # the head's rows may outnumber the step's (a row named twice in need)
+    room = cpu_kernels.scratch(max(rows, need.shape[0]), max(hidden, inter, heads * head_dim))
     room_exp = np.empty(inter, np.float32)
     block = kv.shape[3]
     nq, nk = heads * head_dim, kv_heads * head_dim
@@ -180,7 +181,6 @@ def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gat
     # logits of the rows asked for only (a prompt chunk needs its last row's; the head is a
     # quarter of a small model's weights), in need's order, a row as often as it is named
     x = np.empty((need.shape[0], hidden), np.float32)
-    room = cpu_kernels.scratch(need.shape[0], hidden)
     for i in range(need.shape[0]):
         _rms_norm(h[need[i]], norm, eps, x[i])
     if head_q4:

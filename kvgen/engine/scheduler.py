@@ -83,7 +83,7 @@ class Scheduler:
             if not seq.cached_tokens and seq.reuses_kv:  # a new session: the prefix cache may hold its start
                 seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens),
                                         len(seq.prompt_ids))
-        elif not seq.keep_kv and seq.reuses_kv:  # a request of its own: the prefix cache may hold its start
+        elif seq.shares_prompt:  # a request of its own: the prefix cache may hold its start
             seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens), len(seq.prompt_ids))
         if not self._prefilled_by_another(seq) and self.kv.reserve(seq.cache, min(seq.pending, budget)):
             seq.resume_from = None
@@ -101,14 +101,14 @@ class Scheduler:
         when it is written (Engine indexes prompt blocks as they complete), and seq shares it
         instead of computing it a second time (SGLang's in-batch prefix sharing): of 8 chat
         clients that arrive together, one computes the system prompt."""
-        if self.kv.prefix is None or not seq.reuses_kv or seq.keep_kv:  # nothing to share: no waiting
+        if self.kv.prefix is None or not seq.shares_prompt:  # nothing to share: no waiting
             return False
         bs = self.kv.pool.block_size
         end = (seq.cache.length // bs + 1) * bs
         if end >= len(seq.prompt_ids):  # no whole block of the prompt ahead (its last token is computed anyway)
             return False
         head = seq.prompt_ids[:end]
-        return any(o.cache_salt == seq.cache_salt and o.reuses_kv and not o.keep_kv and o.cache.length < end
+        return any(o.shares_prompt and o.cache_salt == seq.cache_salt and o.cache.length < end
                    and o.prompt_ids[:end] == head for o in self.running)
 
     def _reserve_running(self, seq: Sequence, n: int) -> bool:

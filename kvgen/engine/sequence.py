@@ -139,6 +139,12 @@ class Sequence:
         return self.prompt_logprobs is None
 
     @property
+    def shares_prompt(self) -> bool:
+        """A request of its own (not a session's turn) whose prompt blocks go through the prefix
+        cache: matched there at admission, indexed there as they are written."""
+        return self.reuses_kv and not self.keep_kv
+
+    @property
     def pending(self) -> int:
         """Tokens whose K/V still need computing (a draft's included)."""
         return self.num_tokens + len(self.draft) - self.cache.length

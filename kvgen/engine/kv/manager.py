@@ -112,11 +112,14 @@ class KVManager:
             if dropped:
                 self._emit("kv.drop", table, dropped, before=oldest_needed)
 
-    def index_prompt(self, table: PagedKVCache, salt: str, prompt: list[int]) -> None:
-        """A running request's prompt blocks written so far join the prefix cache now, not at
-        its end, so a request that arrives meanwhile starting the same way shares them (whole
-        blocks of the prompt only: nothing writes into them again)."""
-        self._index(table, salt, prompt)
+    def index_prompt(self, table: PagedKVCache, salt: str, prompt: list[int], n: int) -> None:
+        """After a step wrote n tokens of a running request: when they completed a block of its
+        prompt, the prompt's blocks written so far join the prefix cache now, not at its end, so
+        a request that arrives meanwhile starting the same way shares them (whole blocks of the
+        prompt only: nothing writes into them again)."""
+        bs, end = self.pool.block_size, table.length
+        if end - n < len(prompt) and end // bs > (end - n) // bs:
+            self._index(table, salt, prompt)
 
     def truncate(self, table: PagedKVCache, n: int) -> None:
         """A running sequence keeps only its first n tokens' K/V (speculative decoding's rejected
