@@ -80,20 +80,25 @@ def test_kernels_multiply_int16_activations_exactly(qtype, rows):
     assert ((got - (x @ torch.from_numpy(ref).T + bias)).abs() <= bound + 1e-5).all()
 
 
-@pytest.mark.parametrize("path,drop", [("avx2", "+avx512bw"), ("portable", "+avx2")])
-def test_every_kernel_path_gives_the_same_bits(path, drop):
-    """On a CPU with AVX-512 the kernels call the 512-bit pmaddwd, with AVX2 the 256-bit one,
-    elsewhere LLVM lowers a portable multiply-add. All sum the same integers and scale them by the
-    same float operations: a build for this CPU without the feature (NUMBA_CPU_FEATURES, in a
-    process with a cache of its own) gives bit-identical outputs, at 1 row and at 9 (two calls
-    of 4 rows and one of 1)."""
+PATHS = {"avx512": ("+avx512vnni", (True, True, False)), "avx2": ("+avx512bw", (True, False, False)),
+         "portable": ("+avx2", (False, False, False))}
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_every_kernel_path_gives_the_same_bits(path):
+    """With AVX512-VNNI the kernels call vpdpwssd, with AVX-512 the 512-bit pmaddwd, with AVX2 the
+    256-bit one, elsewhere LLVM lowers a portable multiply-add. All sum the same integers and
+    scale them by the same float operations: a build for this CPU without the feature
+    (NUMBA_CPU_FEATURES, in a process with a cache of its own) gives bit-identical outputs, at 1
+    row and at 9 (two calls of 4 rows and one of 1)."""
+    drop, flags = PATHS[path]
     if drop not in cpu_kernels.FEATURES.split(","):
         pytest.skip(f"this CPU has no {drop[1:]}: the {path} path is what runs here")
     code = (
         "import numpy as np, sys, torch; from kvgen.engine import cpu_kernels; "
         "from kvgen.engine.blocks import BlockLinear, Blocks; "
         "from tests.engine.test_blocks import TYPES, quantized; "
-        f"assert (cpu_kernels.PMADDWD, cpu_kernels.WIDE) == {(path == 'avx2', False)}; "
+        f"assert (cpu_kernels.PMADDWD, cpu_kernels.WIDE, cpu_kernels.VNNI) == {flags}; "
         "x = torch.randn(9, 160, generator=torch.Generator().manual_seed(9)); "
         "out = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
         "for q in TYPES for r in (1, 9)]; torch.save(out, sys.argv[1])")
