@@ -81,10 +81,9 @@ class Scheduler:
                 seq.shift = None
             seq.cached_tokens = self.kv.resume(seq.cache, seq.resume_from)
             if not seq.cached_tokens and seq.reuses_kv:  # a new session: the prefix cache may hold its start
-                seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens),
-                                        len(seq.prompt_ids))
+                seq.cached_tokens = self._share_prefix(seq)
         elif seq.shares_prompt:  # a request of its own: the prefix cache may hold its start
-            seq.cached_tokens = min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens), len(seq.prompt_ids))
+            seq.cached_tokens = self._share_prefix(seq)
         if not self._prefilled_by_another(seq) and self.kv.reserve(seq.cache, min(seq.pending, budget)):
             seq.resume_from = None
             return True
@@ -94,6 +93,13 @@ class Scheduler:
             self.kv.release(seq.cache)
             seq.cached_tokens = 0
         return False
+
+    def _share_prefix(self, seq: Sequence) -> int:
+        """Start seq with the prefix cache's KV of its prompt's start. Returns what usage reports:
+        the tokens of whole shared blocks (rows copied from a block matched in part are reused
+        too, but not counted: cached_tokens is a multiple of the block size, as the README says)."""
+        bs = self.kv.pool.block_size
+        return min(self.kv.share_prefix(seq.cache, seq.cache_salt, seq.tokens) // bs * bs, len(seq.prompt_ids))
 
     def _prefilled_by_another(self, seq: Sequence) -> bool:
         """Whether a running request (same salt, the same prompt up to there) has yet to compute

@@ -65,11 +65,34 @@ def test_a_request_reuses_the_full_blocks_of_an_earlier_one():
     assert kv.share_prefix(t2, "", first[:16] + [99, 98]) == 16
     assert [kv.pool.refs(b) for b in t2.blocks] == [2, 2, 2, 2]
     assert torch.equal(read(kv, t2), read(kv, written(kv, first[:16]))[:16])
-    # the whole prompt cached: the last token is still computed (its logits are needed)
+    # the whole prompt cached: the last token is still computed (its logits are needed); of the
+    # last block, the 3 rows before it are copied into a block of t3's own
     t3 = kv.new_table()
-    assert kv.share_prefix(t3, "", first[:16]) == 12
+    assert kv.share_prefix(t3, "", first[:16]) == 15
+    assert [kv.pool.refs(b) for b in t3.blocks] == [3, 3, 3, 1]
+    assert torch.equal(read(kv, t3), read(kv, written(kv, first[:16]))[:15])
     s = kv.prefix.stats
-    assert (s.hits, s.misses, s.hit_tokens) == (2, 0, 28)
+    assert (s.hits, s.misses, s.hit_tokens) == (2, 0, 31)
+
+
+def test_rows_of_a_partly_matching_block_are_copied_not_shared():
+    """A prompt that goes on to match the start of a cached block (a resent chat turn) copies
+    those rows into a block of its own, which it then writes on; the cached block is untouched.
+    Quantized formats (a block's rows share scales) and a mismatch at the block's first token
+    copy nothing."""
+    kv = manager()
+    first = list(range(1, 13))  # 3 full blocks
+    kv.release(written(kv, first), salt="", tokens=first)
+    cached = read(kv, written(kv, first))
+    t = kv.new_table()
+    assert kv.share_prefix(t, "", first[:10] + [77, 78]) == 10  # 2 whole blocks and 2 rows of the third
+    assert [kv.pool.refs(b) for b in t.blocks] == [2, 2, 1] and kv.prefix.blocks_held == 3
+    assert torch.equal(read(kv, t), cached[:10])
+    assert kv.reserve(t, 2)  # writes go on in the copy
+    assert kv.share_prefix(kv.new_table(), "", first[:8] + [77, 2, 3]) == 8
+    q = manager(dtype="fp8")
+    q.release(written(q, first), salt="", tokens=first)
+    assert q.share_prefix(q.new_table(), "", first[:10] + [77]) == 8
 
 
 def test_different_salts_share_nothing():

@@ -77,16 +77,18 @@ class PrefixCache:
 
     def share_into(self, table: PagedKVCache, salt: str, ids: list[int]) -> int:
         """Start an empty table with the longest run of cached full blocks that ids begin with
-        (at most up to the last token: one token is always computed, for its logits). Blocks
-        that were demoted come back into the pool on the way; with no room for one, the match
-        stops there. Returns the tokens reused."""
+        (at most up to the last token: one token is always computed, for its logits), and the
+        rows of a block it goes on to match in part (_copy_rows). Blocks that were demoted come
+        back into the pool on the way; with no room for one, the match stops there. Returns the
+        tokens reused."""
         bs = self.block_size
-        node, shared = self._roots.get(salt), []
-        for i in range((len(ids) - 1) // bs if node else 0):
-            node = node.children.get(tuple(ids[i * bs:(i + 1) * bs]))
+        parent, shared, whole = self._roots.get(salt), [], True
+        for i in range((len(ids) - 1) // bs if parent else 0):
+            node = parent.children.get(tuple(ids[i * bs:(i + 1) * bs]))
             if node is None:
                 break
             if node.block == HOLE:
+                whole = False  # the match ends at a block it cannot bring back: nothing past it
                 if not self.pool.available:
                     node.used = next(self._tick)  # the newest: trimming the tiers takes older leaves
                     self.evict(1)  # blocks matched so far are shared already: never the victims
@@ -96,16 +98,51 @@ class PrefixCache:
                     self.tiers.promote(node.holder)
                 except PoolExhausted:
                     break
+                whole = True
             node.used = next(self._tick)
             self.pool.share([node.block])
             shared.append(node.block)
+            parent = node
         if shared:
             table.blocks, table.length = shared, len(shared) * bs
+        if parent is not None and whole:
+            self._copy_rows(parent, table, ids)
+        if table.length:
             self.stats.hits += 1
             self.stats.hit_tokens += table.length
         else:
             self.stats.misses += 1
         return table.length
+
+    def _copy_rows(self, node: _Node, table: PagedKVCache, ids: list[int]) -> None:
+        """Past the shared whole blocks, ids may go on to match the start of a cached block (a
+        resent chat turn: the old prompt's partial last block, the reply's first tokens): those
+        rows are copied into a block of the table's own, which it then fills, instead of being
+        computed again. Only where a block's rows are independent of each other (fp32 / fp16 /
+        bf16, nothing held exact), so the copy holds the bytes a cold run would write."""
+        fmt = self.pool.fmt
+        if fmt.name not in ("fp32", "fp16", "bf16") or fmt.recent_slots:
+            return
+        start = table.length
+        want = ids[start:min(start + self.block_size, len(ids) - 1)]  # never the last token
+        best, rows = None, 0
+        for key, child in node.children.items():
+            m = 0
+            while m < len(want) and key[m] == want[m]:
+                m += 1
+            if m > rows and child.block != HOLE:
+                best, rows = child, m
+        if best is None:
+            return
+        best.used = next(self._tick)  # the newest: not the block evict() frees for the copy
+        if not self.pool.available:
+            self.evict(1)
+        if not self.pool.available or best.block == HOLE:
+            return
+        copy = self.pool.alloc(1)[0]
+        fmt.put_block(self.pool.store, copy, fmt.take_block(self.pool.store, best.block, rows), rows)
+        table.blocks = table.blocks + [copy]
+        table.length = start + rows
 
     def insert(self, salt: str, tokens: list[int], table: PagedKVCache) -> int:
         """Index the table's full written blocks under their tokens (the table keeps its own
