@@ -1,5 +1,5 @@
-"""pack.py's scalar helpers (float <-> fp16 / bf16 / e4m3 bits, the fp8 and q4 codes) bit-exact
-with torch: compiled by numba.njit, and as the pure-Python functions the CUDA simulator runs
+"""The pack kernels' scalar helpers (kvgen/gpu/bits.py: float <-> fp16 / bf16 / e4m3 bits, fp8 and q4 codes)
+bit-exact with torch: compiled by numba.njit, and as the pure-Python functions the CUDA simulator runs
 (run with NUMBA_ENABLE_CUDASIM=1)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ def main() -> None:
     import numba
 
     from kvgen.engine.kv import quant
-    from kvgen.gpu import pack
+    from kvgen.gpu import bits as scalar
 
-    jit = pack.build_helpers(numba.njit)
+    jit = scalar.build_helpers(numba.njit)
 
     @numba.njit
     def apply1(fn, x, out):
@@ -38,7 +38,7 @@ def main() -> None:
         apply1(jit[name], xs.numpy(), out)
         assert np.array_equal(out, ref(xs)), f"njit {name}"
         sub = xs[:: max(1, xs.numel() // 20000)]  # the pure-Python helpers (what the simulator runs)
-        py = np.array([getattr(pack, name)(v) for v in sub.numpy()], np.int64)
+        py = np.array([getattr(scalar, name)(v) for v in sub.numpy()], np.int64)
         assert np.array_equal(py, ref(sub)), f"python {name}"
     for name, n, dt, view in (("f16_value", 2**16, torch.float16, torch.int16),
                               ("bf16_value", 2**16, torch.bfloat16, torch.int16),
@@ -47,7 +47,7 @@ def main() -> None:
         ref = torch.from_numpy(codes).to(view).view(dt).float().numpy()
         compiled = np.zeros(n, np.float32)
         apply1(jit[name], codes, compiled)
-        python = np.array([getattr(pack, name)(int(c)) for c in codes], np.float32)
+        python = np.array([getattr(scalar, name)(int(c)) for c in codes], np.float32)
         for got in (compiled, python):
             assert ((got.view(np.int32) == ref.view(np.int32)) | (np.isnan(got) & np.isnan(ref))).all(), name
 
