@@ -8,7 +8,7 @@ against the torch references in kvgen.engine.kv.quant without a GPU.
 
 Bit-exactness rules the style of the scalar helpers (bits.py) and the kernels:
   * every float is float32: constants are written np.float32(...), so neither Numba on the
-    device nor numpy in the simulator promotes anything to float64 (tests/test_gpu_build.py
+    device nor numpy in the simulator promotes anything to float64 (tests/gpu/test_numba_pack.py
     lowers every kernel and fails on any double in the IR);
   * fp16 / bf16 / e4m3 values are handled as raw bits (int16 / uint8 views of the tensors,
     because Numba has no bf16 or fp8 type), and converted arithmetically with exact steps
