@@ -5,8 +5,7 @@ and on disk by CuPy):
     kv_append(fmt, store, layer, k, v, block_tables, seq_lens)   decode-step append
     increment(seq_lens, valid=None, n=1)                         advance the length counters
     flash_decode(q, fmt, store, layer, block_tables, context_lens, num_splits=None, ...)
-Numba CUDA kernels (pack.py; they also run in Numba's simulator):
-    pack_fp8 / unpack_fp8 / pack_q4 / unpack_q4                  bulk (de)quantisation
+(The Numba bulk (de)quantisation kernels have their torch entry points in codecs.py.)
 
 Everything is launched on torch's current stream (CuPy through an ExternalStream, Numba
 through cuda.external_stream), so it orders with the surrounding torch work and is captured
@@ -28,7 +27,6 @@ with fmt.prepare_decode(...) on the host; the kernels then read its exact rows a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import pathlib
@@ -85,13 +83,13 @@ def _function(module: str, fn: str, device_index: int):
         return _module(module, device_index).get_function(fn)
 
 
-def _device_index(t: torch.Tensor) -> int:
+def device_index(t: torch.Tensor) -> int:
     if t.device.type != "cuda":
         raise ValueError(f"expected a CUDA tensor, got one on {t.device}")
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
+def raw(t: torch.Tensor) -> torch.Tensor:
     """Same memory, a dtype both CuPy and Numba understand (kernels take raw bits)."""
     t = t.detach()
     if t.dtype in (torch.float16, torch.bfloat16):
@@ -102,7 +100,7 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 
 def _cp(t: torch.Tensor):
-    return _cupy().asarray(_raw(t))  # zero-copy through __cuda_array_interface__
+    return _cupy().asarray(raw(t))  # zero-copy through __cuda_array_interface__
 
 
 def _launch(module: str, fn: str, device_index: int, grid, block, args) -> None:
@@ -193,7 +191,7 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
         raise ValueError(f"kv_heads {kvh} / layer {layer} do not fit the store {tuple(cache.shape)}")
     if b == 0:
         return
-    dev = _device_index(k)
+    dev = device_index(k)
     k, v = k.contiguous(), v.contiguous()
     *exact, exact_dt = _exact_tail(fmt, store, cache, hd)
     args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache),
@@ -213,7 +211,7 @@ def increment(seq_lens: torch.Tensor, valid: torch.Tensor | None = None, n: int 
         raise ValueError("valid must be a bool / uint8 [B] tensor")
     if batch == 0:
         return
-    dev = _device_index(seq_lens)
+    dev = device_index(seq_lens)
     has_valid = valid is not None
     mask = valid.contiguous() if has_valid else seq_lens
     args = (_cp(seq_lens), _cp(mask), np.int32(has_valid), np.int32(batch), np.int32(n))
@@ -298,7 +296,7 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
         raise ValueError("out must be a contiguous tensor shaped and typed like q")
     if b == 0:
         return out
-    dev = _device_index(q)
+    dev = device_index(q)
     max_blocks = block_tables.shape[1]
     if num_splits is None:
         max_len = max_context_len if max_context_len is not None else max_blocks * block_size
@@ -324,123 +322,4 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
             (num_splits, kvh * chunks, b), (DECODE_THREADS,), split_args)
     reduce_args = (_cp(part_acc), _cp(part_ml), _cp(out), np.int32(h), np.int32(hd), np.int32(num_splits))
     _launch("flash_decode", f"flash_decode_reduce_{_DTYPE_NAME[q.dtype]}", dev, (h, b), (128,), reduce_args)
-    return out
-
-
-# ---- bulk pack / unpack (Numba) -------------------------------------------------------------
-# The warm tier's fp8 / q4 codecs on a CUDA pool (kvgen.engine.kv.tiers.WarmCodec) call these.
-
-_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # pack.F32 / F16 / BF16
-
-
-def _numba_simulated() -> bool:
-    try:
-        from numba.cuda import config
-    except ImportError:  # numba's built-in CUDA target
-        from numba import config
-    return bool(config.ENABLE_CUDASIM)
-
-
-def _numba_env(t: torch.Tensor):
-    """(numba.cuda, the torch current stream as a Numba stream, device context). Under Numba's
-    CUDA simulator (NUMBA_ENABLE_CUDASIM=1) CPU tensors are accepted, which is how CI runs
-    these wrappers without a GPU."""
-    from numba import cuda
-
-    if t.device.type == "cpu" and _numba_simulated():
-        return cuda, 0, contextlib.nullcontext()
-    dev = _device_index(t)
-    return cuda, cuda.external_stream(torch.cuda.current_stream(dev).cuda_stream), cuda.gpus[dev]
-
-
-def _nb(cuda, t: torch.Tensor):
-    raw = _raw(t)
-    if raw.device.type == "cpu":  # simulator only (see _numba_env): numpy view, same memory
-        return raw.numpy()
-    return cuda.as_cuda_array(raw)  # zero-copy through __cuda_array_interface__
-
-
-def _out(t: torch.Tensor | None, shape, dtype, like: torch.Tensor) -> torch.Tensor:
-    if t is None:
-        return torch.empty(shape, dtype=dtype, device=like.device)
-    if t.dtype != dtype or t.device != like.device:
-        raise ValueError(f"output must be {dtype} on {like.device}, got {t.dtype} on {t.device}")
-    return t
-
-
-def pack_fp8(x: torch.Tensor, q_out: torch.Tensor | None = None, scale_out: torch.Tensor | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantise whole blocks to fp8: x [*lead, T, kv_heads, head_dim] (fp32/fp16/bf16) ->
-    q float8_e4m3fn (same shape) and scale float32 [*lead, kv_heads] = absmax over (T,
-    head_dim) / 448, q = quant.fp8_quantize(x, scale). A store slice `store["kv"][blocks]`
-    [n, L, 2, BS, KVH, HD] gives scales shaped like `store["scale"][blocks]`. Outputs may be
-    given (any strides that view as [M, T, KVH, HD] / [M, KVH])."""
-    if x.dim() < 3 or x.dtype not in _KIND:
-        raise ValueError(f"x must be [..., T, kv_heads, head_dim] fp32/fp16/bf16, got "
-                         f"{tuple(x.shape)} {x.dtype}")
-    from kvgen.gpu import pack
-
-    *lead, t, kvh, hd = x.shape
-    m = math.prod(lead)
-    q = _out(q_out, x.shape, torch.float8_e4m3fn, x)
-    scale = _out(scale_out, (*lead, kvh), torch.float32, x)
-    cuda, stream, ctx = _numba_env(x)
-    with ctx:
-        pack.fp8_pack(_nb(cuda, x.reshape(m, t, kvh, hd)), _KIND[x.dtype], _nb(cuda, q.view(m, t, kvh, hd)),
-                      _nb(cuda, scale.view(m, kvh)), stream)
-    return q, scale
-
-
-def unpack_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8 blocks back to values: q [*lead, T, kv_heads, head_dim] float8_e4m3fn (or its uint8
-    bits), scale [*lead, kv_heads] -> float32(q) * scale, cast (nearest even) to `dtype`."""
-    from kvgen.gpu import pack
-
-    *lead, t, kvh, hd = q.shape
-    m = math.prod(lead)
-    out = _out(out, q.shape, dtype, q)
-    cuda, stream, ctx = _numba_env(q)
-    with ctx:
-        pack.fp8_unpack(_nb(cuda, q.view(m, t, kvh, hd)), _nb(cuda, scale.reshape(m, kvh)), _KIND[dtype],
-                        _nb(cuda, out.view(m, t, kvh, hd)), stream)
-    return out
-
-
-def pack_q4(x: torch.Tensor, group: int | None = None, packed_out: torch.Tensor | None = None,
-            scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q4 of x [..., head_dim] (fp32/fp16/bf16), group size `group` (default min(32, head_dim))
-    -> packed uint8 [..., head_dim // 2] and scales float16 [..., head_dim // group], exactly
-    quant.q4_quantize."""
-    if x.dtype not in _KIND:
-        raise ValueError(f"x must be fp32/fp16/bf16, got {x.dtype}")
-    from kvgen.gpu import pack
-
-    hd = x.shape[-1]
-    group = group or min(32, hd)
-    if hd % 2 or hd % group:
-        raise ValueError(f"q4 needs an even head_dim divisible by the group size, got {hd} / {group}")
-    r = x.numel() // hd if hd else 0
-    packed = _out(packed_out, (*x.shape[:-1], hd // 2), torch.uint8, x)
-    scales = _out(scales_out, (*x.shape[:-1], hd // group), torch.float16, x)
-    cuda, stream, ctx = _numba_env(x)
-    with ctx:
-        pack.q4_pack(_nb(cuda, x.reshape(r, hd)), _KIND[x.dtype], group, _nb(cuda, packed.view(r, hd // 2)),
-                     _nb(cuda, scales.view(r, hd // group)), stream)
-    return packed, scales
-
-
-def unpack_q4(packed: torch.Tensor, scales: torch.Tensor, group: int | None = None,
-              dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q4 back to values [..., head_dim] (quant.q4_dequantize, cast nearest-even to dtype)."""
-    from kvgen.gpu import pack
-
-    hd = packed.shape[-1] * 2
-    group = group or hd // scales.shape[-1]
-    r = packed.numel() // (hd // 2) if hd else 0
-    out = _out(out, (*packed.shape[:-1], hd), dtype, packed)
-    cuda, stream, ctx = _numba_env(packed)
-    with ctx:
-        pack.q4_unpack(_nb(cuda, packed.view(r, hd // 2)), _nb(cuda, scales.view(r, hd // group)), group,
-                       _KIND[dtype], _nb(cuda, out.view(r, hd)), stream)
     return out

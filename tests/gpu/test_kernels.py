@@ -227,26 +227,26 @@ def test_kernels_run_on_torch_current_stream():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_pack_kernels_match_quant(dtype):
     from kvgen.engine.kv import quant
-    from kvgen.gpu import ops
+    from kvgen.gpu import codecs
 
     g = torch.Generator().manual_seed(5)
     x = (torch.randn(3, 2, 2, 17, 4, 64, generator=g) * 3).to(dtype)
     x[0, 0, 0] = 0
     x = x.to(DEV)
-    q, scale = ops.pack_fp8(x)
+    q, scale = codecs.pack_fp8(x)
     ref_scale = quant.divide(x.float().abs().amax(dim=(-3, -1)), quant.FP8_MAX)
     ref_q = quant.fp8_quantize(x, ref_scale[..., None, :, None])
     assert torch.equal(raw_bits(q), raw_bits(ref_q)) and torch.equal(raw_bits(scale), raw_bits(ref_scale))
     for out_dtype in DTYPES:
-        got = ops.unpack_fp8(q, scale, out_dtype)
+        got = codecs.unpack_fp8(q, scale, out_dtype)
         ref = quant.fp8_dequantize(ref_q, ref_scale[..., None, :, None]).to(out_dtype)
         assert torch.equal(raw_bits(got), raw_bits(ref))
     for group in (32, 8, 2):
-        packed, scales = ops.pack_q4(x, group)
+        packed, scales = codecs.pack_q4(x, group)
         ref_p, ref_s = quant.q4_quantize(x, group)
         assert torch.equal(packed, ref_p) and torch.equal(raw_bits(scales), raw_bits(ref_s))
         for out_dtype in DTYPES:
-            got = ops.unpack_q4(packed, scales, group, out_dtype)
+            got = codecs.unpack_q4(packed, scales, group, out_dtype)
             assert torch.equal(raw_bits(got), raw_bits(quant.q4_dequantize(ref_p, ref_s, group).to(out_dtype)))
 
 
@@ -262,12 +262,12 @@ def test_divide_rounds_like_the_kernels_on_the_device():
 
 def test_pack_into_store_slices():
     from kvgen.engine.kv import quant
-    from kvgen.gpu import ops
+    from kvgen.gpu import codecs
 
     fmt = _format("fp8", 2, 16, 2, 64)
     store = fmt.allocate(4, DEV)
     x = torch.randn(2, 16, 2, 64, device=DEV, dtype=torch.float16)  # one layer, k and v of a block
-    ops.pack_fp8(x, store["kv"][2, 1], store["scale"][2, 1])
+    codecs.pack_fp8(x, store["kv"][2, 1], store["scale"][2, 1])
     k, v = fmt.read(store, 1, torch.tensor([2], device=DEV))
     s = quant.divide(x.float().abs().amax(dim=(1, 3)), quant.FP8_MAX)
     deq = quant.fp8_dequantize(quant.fp8_quantize(x, s[:, None, :, None]), s[:, None, :, None])

@@ -45,9 +45,9 @@ def launches(monkeypatch):
     from kvgen.gpu import ops
 
     calls = []
-    monkeypatch.setattr(ops, "_device_index", lambda t: 0)
+    monkeypatch.setattr(ops, "device_index", lambda t: 0)
     monkeypatch.setattr(ops, "_sm_count", lambda dev: 132)
-    monkeypatch.setattr(ops, "_cp", lambda t: _Arr(ops._raw(t)))
+    monkeypatch.setattr(ops, "_cp", lambda t: _Arr(ops.raw(t)))
     monkeypatch.setattr(ops, "_launch", lambda mod, fn, dev, grid, block, args:
                         calls.append((mod, fn, grid, block, args)))
     return calls
@@ -124,7 +124,7 @@ def test_exact_tail_args(ptx_entries, launches, name):
         ops.flash_decode(torch.zeros((b, 3 * kvh, hd), dtype=torch.float16), fmt, store, 1, bt, lens, len_offset=1)
         (amod, afn, _, _, aargs), (smod, sfn, _, _, sargs), _ = launches[-3:]
         assert (afn, sfn) == (f"kv_append_{name}_f16", f"flash_decode_split_{name}_f16_hd128")
-        raw = ops._raw(torch.empty(0, dtype=dt)).dtype  # as passed: f16 / bf16 as int16 bits
+        raw = ops.raw(torch.empty(0, dtype=dt)).dtype  # as passed: f16 / bf16 as int16 bits
         for args in (aargs[7:11], sargs[6:10]):
             assert [(a.shape, a.dtype) for a in args] == [
                 ((2, 2, 2, bs, kvh, hd), raw), ((6,), torch.int64), ((8, 2, 2, kvh, hd), raw), ((6,), torch.int64)]

@@ -92,7 +92,7 @@ def test_lossy_warm_codecs_round_trip_closely(codec, size, tol):
         TieredKV(BlockPool(make_format("q4", L, BS, KVH, HD), 2), codec=codec)
 
 
-# On a CUDA pool the lossy codecs run the Numba bulk kernels (kvgen.gpu.ops.pack_* / unpack_*).
+# On a CUDA pool the lossy codecs run the Numba bulk kernels (kvgen.gpu.codecs.pack_* / unpack_*).
 # Numba's CUDA simulator runs those kernels on CPU tensors; it must be switched on before numba
 # is imported, hence a subprocess.
 KERNEL_CODEC_CHECK = """
@@ -100,9 +100,9 @@ import torch
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.tiers import Tier, TieredKV, WarmCodec
-from kvgen.gpu import ops
+from kvgen.gpu import codecs
 
-assert ops._numba_simulated()
+assert codecs.numba_simulated()
 L, BS, KVH, HD = 2, 4, 2, 16
 
 

@@ -70,14 +70,14 @@ def fp8_dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 def fp8_quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Whole blocks with one scale per block and head: x [*lead, T, kv_heads, head_dim] ->
-    (q, scale [*lead, kv_heads] = absmax over (T, head_dim) / 448). kvgen.gpu.ops.pack_fp8 is
+    (q, scale [*lead, kv_heads] = absmax over (T, head_dim) / 448). kvgen.gpu.codecs.pack_fp8 is
     the bulk kernel of exactly this."""
     scale = divide(x.float().abs().amax(dim=(-3, -1)), FP8_MAX)
     return fp8_quantize(x, scale[..., None, :, None]), scale
 
 
 def fp8_dequantize_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of fp8_quantize_blocks, float32 (kvgen.gpu.ops.unpack_fp8)."""
+    """Inverse of fp8_quantize_blocks, float32 (kvgen.gpu.codecs.unpack_fp8)."""
     return fp8_dequantize(q, scale[..., None, :, None])
 
 

@@ -85,7 +85,7 @@ class WarmCodec:
     The lossy two read the block through the format and write it back through it; they are
     for plain pools (fp32 / fp16 / bf16), whose raw blocks are large: fp8 holds 2x (fp16) to 4x
     (fp32) more idle tokens in the same host memory, q4 3.5x to 7x. With `kernels` (a CUDA
-    pool) they run the Numba bulk kernels (kvgen.gpu.ops.pack_* / unpack_*, bit-exact with
+    pool) they run the Numba bulk kernels (kvgen.gpu.codecs.pack_* / unpack_*, bit-exact with
     quant), so only the small payload crosses to the host.
     """
 
@@ -98,10 +98,11 @@ class WarmCodec:
         self.name, self.fmt = name, fmt
         group = min(32, fmt.head_dim)
         if kernels and name != "raw":
-            from kvgen.gpu import ops
+            from kvgen.gpu import codecs
 
-            lossy = {"fp8": (ops.pack_fp8, ops.unpack_fp8),
-                     "q4": (functools.partial(ops.pack_q4, group=group), functools.partial(ops.unpack_q4, group=group))}
+            lossy = {"fp8": (codecs.pack_fp8, codecs.unpack_fp8),
+                     "q4": (functools.partial(codecs.pack_q4, group=group),
+                            functools.partial(codecs.unpack_q4, group=group))}
         else:
             lossy = {"fp8": (quant.fp8_quantize_blocks, quant.fp8_dequantize_blocks),
                      "q4": (functools.partial(quant.q4_quantize, group=group),

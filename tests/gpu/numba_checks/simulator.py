@@ -1,4 +1,4 @@
-"""ops.pack_fp8 / unpack_fp8 / pack_q4 / unpack_q4, the Numba kernels run in Numba's CUDA
+"""codecs.pack_fp8 / unpack_fp8 / pack_q4 / unpack_q4, the Numba kernels run in Numba's CUDA
 simulator (run with NUMBA_ENABLE_CUDASIM=1), bit-exact with kvgen.engine.kv.quant: whole
 store-shaped blocks, odd shapes, all-zero rows, and packing straight into store slices."""
 
@@ -15,7 +15,7 @@ def main() -> None:
     assert config.ENABLE_CUDASIM, "run with NUMBA_ENABLE_CUDASIM=1"
     from kvgen.engine.kv import quant
     from kvgen.engine.kv.formats import make_format
-    from kvgen.gpu import ops
+    from kvgen.gpu import codecs
 
     g = torch.Generator().manual_seed(3)
 
@@ -34,20 +34,20 @@ def main() -> None:
         for dt in DTYPES:
             x = sample(shape, dt)
             x[0, 0, 0, shape[3] // 2:] = 0.0  # the unwritten tail of a block
-            q, scale = ops.pack_fp8(x)
+            q, scale = codecs.pack_fp8(x)
             ref_scale = quant.divide(x.float().abs().amax(dim=(-3, -1)), quant.FP8_MAX)
             ref_q = quant.fp8_quantize(x, ref_scale[..., None, :, None])
             assert same(scale, ref_scale), ("fp8 scale", shape, dt)
             assert same(q, ref_q), ("fp8 q", shape, dt)
             for out_dt in DTYPES:
-                got = ops.unpack_fp8(q, scale, out_dt)
+                got = codecs.unpack_fp8(q, scale, out_dt)
                 assert same(got, quant.fp8_dequantize(ref_q, ref_scale[..., None, :, None]).to(out_dt)), \
                     ("fp8 unpack", shape, dt, out_dt)
     # into the store itself: a strided slice of one layer
     fmt = make_format("fp8", 2, 4, 2, 8)
     store = fmt.allocate(3)
     x = sample((4, 2, 8), torch.float16)
-    ops.pack_fp8(x, store["kv"][1, 1, 0], store["scale"][1, 1, 0])
+    codecs.pack_fp8(x, store["kv"][1, 1, 0], store["scale"][1, 1, 0])
     ref_scale = quant.divide(x.float().abs().amax(dim=(0, 2)), quant.FP8_MAX)
     assert same(store["scale"][1, 1, 0], ref_scale)
     assert same(store["kv"][1, 1, 0], quant.fp8_quantize(x, ref_scale[None, :, None]))
@@ -57,19 +57,19 @@ def main() -> None:
     for shape, group in (((3, 5, 2, 8), None), ((7, 6), 3), ((1, 4, 16), 2), ((2, 3, 64), 32), ((5, 64), 16)):
         for dt in DTYPES:
             x = sample(shape, dt)
-            packed, scales = ops.pack_q4(x, group)
+            packed, scales = codecs.pack_q4(x, group)
             gs = group or min(32, shape[-1])
             ref_p, ref_s = quant.q4_quantize(x, gs)
             assert same(packed, ref_p) and same(scales, ref_s), ("q4", shape, group, dt)
             for out_dt in DTYPES:
-                got = ops.unpack_q4(packed, scales, group, out_dt)
+                got = codecs.unpack_q4(packed, scales, group, out_dt)
                 ref = quant.q4_dequantize(ref_p, ref_s, gs).to(out_dt)
                 assert same(got, ref), ("q4 unpack", shape, out_dt)
     # q4 values straight into a store slice, through the format's own read
     fmt = make_format("q4", 2, 4, 2, 8, group_size=4)
     store = fmt.allocate(2)
     x = sample((4, 2, 8), torch.float32)
-    ops.pack_q4(x, 4, store["q"][1, 0, 1], store["vscale"][1, 0])
+    codecs.pack_q4(x, 4, store["q"][1, 0, 1], store["vscale"][1, 0])
     _, v = fmt.read(store, 0, torch.tensor([1]))
     ref_p, ref_s = quant.q4_quantize(x, 4)
     assert torch.equal(v[0], quant.q4_dequantize(ref_p, ref_s, 4))
