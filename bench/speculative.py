@@ -91,7 +91,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=2, help="rounds over every set; a prompt keeps its best rate")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds over every set; a prompt keeps its best rate")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     torch.set_num_threads(peers.cores())
