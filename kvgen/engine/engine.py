@@ -295,7 +295,9 @@ class Engine:
         """Drafts for the running sequences that decode this step, before it is scheduled: the
         scheduler then counts each draft in the token budget like a prefill chunk."""
         running = self.scheduler.running
-        cap = draft_cap(len(running), self.draft_tokens, self.draft_max_batch)
+        # the load counts the queue too: 16 requests that arrive together are admitted over a
+        # few steps, and the first ones must not draft (and verify k + 1 rows each) meanwhile
+        cap = draft_cap(len(running) + len(self.scheduler.waiting), self.draft_tokens, self.draft_max_batch)
         if not cap:
             return
         room = self.model.cfg.context_length

@@ -39,8 +39,8 @@ class DraftLength:
 
 
 def draft_cap(running: int, k_max: int, max_batch: int) -> int:
-    """The most tokens any one sequence may draft this step, with `running` sequences decoding:
-    k_max alone, shrinking as the batch grows, none above max_batch."""
+    """The most tokens any one sequence may draft this step, with `running` sequences decoding or
+    queued to: k_max alone, shrinking as the batch grows, none above max_batch."""
     if running > max_batch:
         return 0
     return max(1, k_max // max(1, running)) if running > 1 else k_max

@@ -150,8 +150,8 @@ def test_sampled_output_keeps_the_target_distribution_with_a_bad_draft(small, he
     prompt = "the cat sat on"
     n = 1200
     params = [SamplingParams(temperature=1.0, top_k=3, max_new_tokens=3, ignore_eos=True, seed=s) for s in range(n)]
-    plain = Generator(*small, EngineOptions(speculative_max_batch=64))
-    opts, mode = _spec_options(drafter, head_file, speculative_max_batch=64, speculative_tokens=2)
+    plain = Generator(*small, EngineOptions(speculative_max_batch=n))
+    opts, mode = _spec_options(drafter, head_file, speculative_max_batch=n, speculative_tokens=2)  # all queued draft
     spec = Generator(*small, opts, draft_model=_draft_of(small[0], 9) if mode == "draft" else None)
     try:
         a = _pair_counts(plain, prompt, params)
