@@ -86,6 +86,47 @@ def test_re_rotated_keys_are_a_fresh_prefills_at_the_first_layer():
         gen.close()
 
 
+def test_a_recomputing_shift_equals_a_fresh_prefill_at_every_layer():
+    """With the prefix cache on (the default), a session's blocks are shared with the index, so a
+    shift keeps the head and computes what follows it again: every layer's kept K/V then equals a
+    fresh prefill's of the shortened tokens at their new positions, and the turn's logprobs a
+    fresh request's over the same prompt (fp32, 1e-4; the fresh runs in an engine without the
+    prefix cache, so nothing of the session's is reused)."""
+    model, tok = _model()
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, logprobs=5)
+
+    def kv_of(gen, cache, n):  # [layers, 2, n, kv heads, head dim]
+        x = gen.pool.store["kv"][torch.tensor(cache.blocks)].permute(1, 2, 0, 3, 4, 5)
+        return x.reshape(*x.shape[:2], -1, *x.shape[-2:])[:, :, :n].clone()
+
+    gen = Generator(model, tok, EngineOptions(kv_dtype="fp32"))
+    try:
+        s = gen.new_session()
+        s.generate("system: be brief. " * 2, GREEDY)
+        shifts, last = 0, 0
+        while shifts < 2:
+            out = s.generate(" and then " + TEXT, params)
+            shifts += out.usage.prompt_tokens < last  # the history got shorter: a shift
+            last = out.usage.prompt_tokens
+        tokens, n = s.tokens, s.cache.length
+        kept = kv_of(gen, s.cache, n)
+    finally:
+        gen.close()
+    gen = Generator(model, tok, EngineOptions(kv_dtype="fp32", prefix_cache=False))
+    try:
+        fresh = gen.generate(tokens[:out.usage.prompt_tokens], params)  # the last turn, from scratch
+        assert fresh.token_ids == out.token_ids
+        for a, b in zip(out.logprobs, fresh.logprobs, strict=True):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)) < 1e-4
+        again = gen.new_session()
+        again.generate(tokens[:n], SamplingParams(temperature=0, max_new_tokens=1))
+        torch.testing.assert_close(kept, kv_of(gen, again.cache, n), rtol=1e-4, atol=1e-4)
+    finally:
+        gen.close()
+
+
 def test_a_chat_session_drops_its_oldest_exchanges_and_keeps_the_system_prompt():
     model, tok = _model()
     gen = Generator(model, tok, EngineOptions())
