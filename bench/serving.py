@@ -1,7 +1,7 @@
 """Serving next to llama.cpp's own server: kvgen (its OpenAI-compatible HTTP API, `make serve`
 with HTTP_PORT) and `llama-server` (built by bench/setup_llama_server.sh from the same
-llama.cpp that bench/cpu.py's peer uses), on the same Q4_1 GGUF, the same machine, one at a
-time, through the same client. Writes bench/results/serving.md.
+llama.cpp that bench/cpu.py's peer uses), on the same Q4_1 GGUF, the same machine, all started
+at once and each measured while the others idle, through the same client. Writes bench/results/serving.md.
 
 Workloads (greedy; EOS banned where a fixed length is measured):
 - streams N = 1, 4, 16: N concurrent /v1/completions of 64 tokens each; aggregate generated
@@ -11,7 +11,8 @@ Workloads (greedy; EOS banned where a fixed length is measured):
   llama-server reuses its prompt cache (cache_prompt); kvgen its prefix cache, and again with
   PREFIX_CACHE=0.
 - chat: 8 stateless clients x 4 turns, concurrent, each turn resending the whole history plus a
-  new question (32 new tokens per turn): wall time, the best of 3 rounds that share nothing.
+  new question (32 new tokens per turn): wall time, the best of CHAT_ROUNDS rounds that share
+  nothing, alternating between the servers.
 
     make bench-serving   (or .venv/bin/python bench/serving.py [--skip-llama-server])
 """
@@ -43,6 +44,7 @@ SLOTS = 16
 SYSTEM = ("You are the archivist of a coastal town. You answer questions about its lighthouse, its harbour, "
           "its fishing fleet and the people who kept them, briefly and exactly. ") * 28
 QUESTIONS = [f"Question {i}: what happened in the year {1850 + 7 * i}?" for i in range(17)]
+CHAT_ROUNDS = 5
 
 
 def _free_port() -> int:
@@ -155,43 +157,58 @@ async def prefix_ttft(url: Served) -> float:
         return sum(ttfts) / len(ttfts)
 
 
-async def chat(url: Served, clients: int = 8, turns: int = 4, rounds: int = 3) -> float:
-    """Wall time of the 8 x 4 conversations, the best of `rounds` (this 2-core machine's speed
-    moves between runs); each round's system prompt names the round, so a round reuses nothing
-    of an earlier one's conversations."""
-    async def client(s, r: int, c: int) -> None:
+async def chat_round(url: Served, r: int, clients: int = 8, turns: int = 4) -> float:
+    """Wall time of one round of the 8 x 4 conversations; round r's system prompt names it, so a
+    round reuses nothing of an earlier one's conversations."""
+    async def client(s, c: int) -> None:
         history = [{"role": "system", "content": f"Round {r}. " + "You are a helpful assistant. " * 4}]
         for t in range(turns):
             history.append({"role": "user", "content": f"Client {c}, turn {t}: tell me one more fact about the sea."})
             _, _, _, text = await complete(s, url, {"messages": history, **_fixed(32)})
             history.append({"role": "assistant", "content": text})
     async with _session() as s:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(s, c) for c in range(clients)))
+        return time.perf_counter() - t0
+
+
+async def warm_up(url: Served) -> None:
+    async with _session() as s:
         await complete(s, url, {"prompt": "Warm-up:", **_fixed(4)})
-        walls = []
-        for r in range(rounds):
-            t0 = time.perf_counter()
-            await asyncio.gather(*(client(s, r, c) for c in range(clients)))
-            walls.append(time.perf_counter() - t0)
-        return min(walls)
 
 
-async def measure(server: Served, workloads: list[str]) -> dict:
+async def measure(servers: list[Served], workloads: list[str], rounds: int = CHAT_ROUNDS) -> dict[str, dict]:
+    """Every server is started at once and stays up; each is measured alone (the others idle).
+    Streams and prefix TTFT run server after server; the chat rounds alternate between the
+    servers, so a burst of load on the shared cores costs them alike, and each keeps its best
+    round (the ratio of two servers' walls measured minutes apart moved by 20%)."""
+    out: dict[str, dict] = {srv.name: {} for srv in servers}
     try:
-        await server.ready()
-        out = {}
-        if "streams" in workloads:
-            for n in (1, 4, 16):
-                out[f"streams {n}"] = await streams(server, n)
-                print(f"{server.name}: {n} streams {out[f'streams {n}']:.1f} tok/s", flush=True)
-        if "prefix" in workloads:
-            out["prefix ttft s"] = await prefix_ttft(server)
-            print(f"{server.name}: prefix TTFT {out['prefix ttft s']:.3f} s", flush=True)
+        for srv in servers:
+            await srv.ready()
+        for srv in servers:
+            res = out[srv.name]
+            if "streams" in workloads and "PREFIX_CACHE=0" not in srv.name:
+                for n in (1, 4, 16):
+                    res[f"streams {n}"] = await streams(srv, n)
+                    print(f"{srv.name}: {n} streams {res[f'streams {n}']:.1f} tok/s", flush=True)
+            if "prefix" in workloads:
+                res["prefix ttft s"] = await prefix_ttft(srv)
+                print(f"{srv.name}: prefix TTFT {res['prefix ttft s']:.3f} s", flush=True)
         if "chat" in workloads:
-            out["chat 8x4 s"] = await chat(server)
-            print(f"{server.name}: chat 8 clients x 4 turns {out['chat 8x4 s']:.1f} s", flush=True)
+            walls: dict[str, list[float]] = {srv.name: [] for srv in servers}
+            for srv in servers:
+                await warm_up(srv)
+            for r in range(rounds):
+                for srv in servers:
+                    walls[srv.name].append(await chat_round(srv, r))
+                    print(f"{srv.name}: chat round {r}: {walls[srv.name][-1]:.2f} s", flush=True)
+            for srv in servers:
+                out[srv.name]["chat 8x4 s"] = min(walls[srv.name])
         return out
     finally:
-        server.stop()
+        for srv in servers:
+            srv.stop()
 
 
 def render(results: dict[str, dict], seconds: float) -> str:
@@ -208,8 +225,9 @@ def render(results: dict[str, dict], seconds: float) -> str:
         "HTTP API, "
         f"MAX_RUNNING={SLOTS}; llama-server (same llama.cpp as llama-cpp-python's sdist) with {SLOTS} slots, "
         "continuous batching, prompt cache; the same client for both. Streams: aggregate generated tok/s "
-        "(higher is better); prefix TTFT and chat wall time (the best of 3 rounds): seconds (lower is "
-        "better). In parentheses: "
+        "(higher is better); prefix TTFT: seconds (lower is better); chat wall time: seconds, the best of "
+        f"{CHAT_ROUNDS} rounds that alternate between the servers (all started at once, each measured while the "
+        "others idle). In parentheses: "
         f"against {base}, >1 means better than it.",
         "",
         "| workload | " + " | ".join(names) + " |",
@@ -236,16 +254,16 @@ def main() -> int:
     args = ap.parse_args()
     workloads = args.workloads.split(",")
     t0 = time.perf_counter()
-    results: dict[str, dict] = {}
+    servers = []
     if not args.skip_llama_server:
         if LLAMA_SERVER.exists():
-            results["llama-server"] = asyncio.run(measure(llama_server(), workloads))
+            servers.append(llama_server())
         else:
             print(f"llama-server skipped: {LLAMA_SERVER} missing (bash bench/setup_llama_server.sh)")
-    results["kvgen"] = asyncio.run(measure(kvgen(True), workloads))
+    servers.append(kvgen(True))
     if "prefix" in workloads or "chat" in workloads:
-        results["kvgen PREFIX_CACHE=0"] = asyncio.run(measure(kvgen(False), [w for w in workloads
-                                                                             if w != "streams"]))
+        servers.append(kvgen(False))
+    results = asyncio.run(measure(servers, workloads))
     text = render(results, time.perf_counter() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
