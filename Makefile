@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving clean
+.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
@@ -114,6 +114,11 @@ bench-serving: $(STAMP) $(STUBS)
 bench-speculative: $(STAMP) $(STUBS)
 	bash bench/setup_llamacpp.sh
 	$(PY) bench/speculative.py
+
+# an EAGLE-1 head for the embedded model, trained on the CPU from its own generations (~25 min):
+# bench/.cache/eagle/smollm2-135m-eagle.safetensors, for SPECULATIVE=eagle EAGLE_HEAD=<that file>
+eagle-head: $(STAMP) $(STUBS)
+	$(PY) bench/eagle_head.py
 
 # constrained vs unconstrained decode, schema compile times, llama.cpp's grammar sampling
 bench-structured: $(STAMP) $(STUBS)

@@ -85,6 +85,9 @@ def llamacpp(prompts: list[str], new_tokens: int, draft_tokens: int, eos_ids: li
 # fused decode step) against plain decoding on them; the int4 draft model for an fp32 target (an
 # int4 draft is slower than the gguf target it would draft for)
 RUNS = (("off", "auto"), ("ngram", "auto"), ("off", "fp32"), ("draft", "fp32"))
+# an EAGLE head trained here (make eagle-head; none can be downloaded), where one was
+EAGLE_HEAD = Path(__file__).resolve().parent / ".cache" / "eagle" / "smollm2-135m-eagle.safetensors"
+EAGLE_RUNS = (("eagle", "auto"), ("eagle", "fp32"))
 
 
 def main() -> int:
@@ -93,7 +96,10 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=4, help="rounds over every set; a prompt keeps its best rate")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--eagle", type=Path, default=EAGLE_HEAD,
+                    help="an EAGLE head (make eagle-head); where it exists, SPECULATIVE=eagle runs too")
     args = ap.parse_args()
+    runs = RUNS + (EAGLE_RUNS if args.eagle.exists() else ())
     torch.set_num_threads(peers.cores())
     t_start = time.perf_counter()
     path = embedded_model_path()
@@ -107,8 +113,8 @@ def main() -> int:
     # The default weights go first: after the fp32 engines had run, later gguf engines in the same
     # process decoded at half speed or less (measured, not yet understood).
     for weights, rnd in [(w, r) for w in ("auto", "fp32") for r in range(args.rounds)]:
-        for mode in [m for m, w in RUNS if w == weights]:
-            gen = Generator(*models[weights], dataclasses.replace(opts, speculative=mode),
+        for mode in [m for m, w in runs if w == weights]:
+            gen = Generator(*models[weights], dataclasses.replace(opts, speculative=mode, eagle_head=str(args.eagle)),
                             draft_model=draft if mode == "draft" else None)
             try:
                 for name, prompts in SETS.items():
@@ -135,14 +141,14 @@ def main() -> int:
                 peer_rows[(kind, name)] = rates[at:at + len(prompts)]
                 at += len(prompts)
             print(f"llama.cpp {kind}: {[f'{r:.1f}' for r in rates]}", flush=True)
-    text = render(rows, peer_rows, accept, args, time.perf_counter() - t_start, models["auto"][0].weight_dtype)
+    text = render(rows, peer_rows, accept, args, time.perf_counter() - t_start, models["auto"][0].weight_dtype, runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
     return 0
 
 
-def render(rows, peer_rows, accept, args, seconds: float, default: str) -> str:
+def render(rows, peer_rows, accept, args, seconds: float, default: str, runs=RUNS) -> str:
     mean = statistics.mean
     lines = [
         "# Speculative decoding (CPU)",
@@ -174,12 +180,26 @@ def render(rows, peer_rows, accept, args, seconds: float, default: str) -> str:
         "",
         f"{args.streams} concurrent streams (64 tokens each, EOS ignored, best of 3 runs; SPECULATIVE_MAX_BATCH=8, "
         "so nobody drafts at this load but the last few sequences): aggregate tok/s "
-        + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in RUNS) + ".",
+        + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in runs) + ".",
         "",
         "Acceptance over the three sets: " + ", ".join(
             f"{m} ({w}) {a}/{d} drafted tokens kept ({a / d:.0%})" for (m, w), (a, d) in accept.items() if d) + ".",
         "",
     ]
+    if len(runs) > len(RUNS):
+        lines += [
+            f"EAGLE head ({args.eagle.name}, trained by `make eagle-head` on the model's own generations: no "
+            "trained head for SmolLM2 can be downloaded), same prompts and rounds, against plain decoding on the "
+            "same weights:",
+            "",
+            f"| prompt set | kvgen {default} eagle | x {default} off | kvgen fp32 eagle | x fp32 off |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        for name in SETS:
+            off, off32 = mean(rows[("off", "auto", name)]), mean(rows[("off", "fp32", name)])
+            ea, ea32 = mean(rows[("eagle", "auto", name)]), mean(rows[("eagle", "fp32", name)])
+            lines.append(f"| {name} | {ea:.1f} | {ea / off:.2f} | {ea32:.1f} | {ea32 / off32:.2f} |")
+        lines.append("")
     return "\n".join(lines)
 
 
