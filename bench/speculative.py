@@ -114,7 +114,10 @@ def main() -> int:
     # process decoded at half speed or less (measured, not yet understood).
     for weights, rnd in [(w, r) for w in ("auto", "fp32") for r in range(args.rounds)]:
         for mode in [m for m, w in runs if w == weights]:
-            gen = Generator(*models[weights], dataclasses.replace(opts, speculative=mode, eagle_head=str(args.eagle)),
+            # eagle without the prefix cache: the head drafts only over positions whose features
+            # the request computed (README), and the code-editing prompts share their start
+            gen = Generator(*models[weights], dataclasses.replace(opts, speculative=mode, eagle_head=str(args.eagle),
+                                                                  prefix_cache=mode != "eagle"),
                             draft_model=draft if mode == "draft" else None)
             try:
                 for name, prompts in SETS.items():
@@ -189,8 +192,8 @@ def render(rows, peer_rows, accept, args, seconds: float, default: str, runs=RUN
     if len(runs) > len(RUNS):
         lines += [
             f"EAGLE head ({args.eagle.name}, trained by `make eagle-head` on the model's own generations: no "
-            "trained head for SmolLM2 can be downloaded), same prompts and rounds, against plain decoding on the "
-            "same weights:",
+            "trained head for SmolLM2 can be downloaded; PREFIX_CACHE=0, see the README), same prompts and "
+            "rounds, against plain decoding on the same weights:",
             "",
             f"| prompt set | kvgen {default} eagle | x {default} off | kvgen fp32 eagle | x fp32 off |",
             "| --- | ---: | ---: | ---: | ---: |",
