@@ -49,6 +49,9 @@ class EagleHead:
     def __init__(self, target: Model, weights: dict[str, torch.Tensor]):
         cfg = target.cfg
         hidden = cfg.hidden_size
+        if target.act_dtype != torch.float32:  # the head computes in fp32 over the target's activations
+            raise ValueError(f"SPECULATIVE=eagle needs a target that computes in fp32 (WEIGHT_DTYPE fp32 or gguf); "
+                             f"this one computes in {target.act_dtype}")
         fc = weights.get("fc.weight")
         if fc is None or tuple(fc.shape) != (hidden, 2 * hidden):
             raise ValueError(f"EAGLE head: fc.weight must be [{hidden}, {2 * hidden}] for this model; got "

@@ -276,6 +276,11 @@ def test_bad_speculative_setting_is_refused(small, tmp_path):
     save_file({k: v for k, v in eagle_head(small[0].cfg).items() if "down_proj" not in k}, str(partial))
     with pytest.raises(ValueError, match="down_proj"):
         Generator(*small, EngineOptions(speculative="eagle", eagle_head=str(partial)))
+    bf16 = Model(small[0].cfg, tiny_weights(small[0].cfg), weight_dtype="bf16")  # refused at start, not mid-request
+    head = tmp_path / "head.safetensors"
+    save_file(eagle_head(small[0].cfg), str(head))
+    with pytest.raises(ValueError, match="fp32"):
+        Generator(bf16, small[1], EngineOptions(speculative="eagle", eagle_head=str(head)))
 
 
 def test_prompt_lookup_over_the_default_weights_equals_plain_decoding():
