@@ -25,6 +25,25 @@ def _model(context: int = 256):
     return Model(cfg, tiny_weights(cfg, seed=23)), tok
 
 
+def _shift_twice(gen: Generator, params: SamplingParams):
+    """A session with a short head, fed turns until its history got shorter twice (two shifts).
+    Returns the session and its last turn's output."""
+    s = gen.new_session()
+    s.generate("system: be brief. " * 2, GREEDY)
+    shifts, last = 0, 0
+    while shifts < 2:
+        out = s.generate(" and then " + TEXT, params)
+        shifts += out.usage.prompt_tokens < last  # the history got shorter: a shift
+        last = out.usage.prompt_tokens
+    return s, out
+
+
+def _kv(gen: Generator, cache, n: int) -> torch.Tensor:
+    """The first n positions' K/V of a table, every layer: [layers, 2, n, kv heads, head dim]."""
+    x = gen.pool.store["kv"][torch.tensor(cache.blocks)].permute(1, 2, 0, 3, 4, 5)
+    return x.reshape(*x.shape[:2], -1, *x.shape[-2:])[:, :, :n].clone()
+
+
 @pytest.mark.parametrize("kv", ["fp32", "q4"])
 def test_a_raw_session_shifts_and_matches_a_fresh_request(kv):
     model, tok = _model()
@@ -60,28 +79,16 @@ def test_re_rotated_keys_are_a_fresh_prefills_at_the_first_layer():
     model, tok = _model()
     gen = Generator(model, tok, EngineOptions(kv_dtype="fp32", prefix_cache=False))
     try:
-        s = gen.new_session()
-        s.generate("system: be brief. " * 2, GREEDY)
-        shifts, last = 0, 0
-        while shifts < 2:
-            out = s.generate(" and then " + TEXT, GREEDY)
-            shifts += out.usage.prompt_tokens < last  # the history got shorter: a shift
-            last = out.usage.prompt_tokens
+        s, out = _shift_twice(gen, GREEDY)
         assert out.usage.cached_tokens > 64  # the kept history's KV was moved, not recomputed
         n = s.cache.length
         tokens = s.tokens
         assert len(tokens) == n + 1  # every token but the last generated one is cached
         fresh = gen.new_session()
         fresh.generate(tokens[:n], SamplingParams(temperature=0, max_new_tokens=1))
-        kv = gen.pool.store["kv"]  # [blocks, layers, 2, block, kv heads, head dim]
-
-        def layer(cache, i):  # [2, n, kv heads, head dim]
-            x = kv[torch.tensor(cache.blocks), i].transpose(0, 1)
-            return x.reshape(2, -1, *x.shape[-2:])[:, :n]
-
-        torch.testing.assert_close(layer(s.cache, 0), layer(fresh.cache, 0), rtol=1e-5, atol=1e-5)
-        deepest = model.cfg.num_layers - 1
-        assert (layer(s.cache, deepest) - layer(fresh.cache, deepest)).abs().max() > 1e-3
+        moved, want = _kv(gen, s.cache, n), _kv(gen, fresh.cache, n)
+        torch.testing.assert_close(moved[0], want[0], rtol=1e-5, atol=1e-5)
+        assert (moved[-1] - want[-1]).abs().max() > 1e-3  # the deepest layer
     finally:
         gen.close()
 
@@ -94,22 +101,11 @@ def test_a_recomputing_shift_equals_a_fresh_prefill_at_every_layer():
     prefix cache, so nothing of the session's is reused)."""
     model, tok = _model()
     params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True, logprobs=5)
-
-    def kv_of(gen, cache, n):  # [layers, 2, n, kv heads, head dim]
-        x = gen.pool.store["kv"][torch.tensor(cache.blocks)].permute(1, 2, 0, 3, 4, 5)
-        return x.reshape(*x.shape[:2], -1, *x.shape[-2:])[:, :, :n].clone()
-
     gen = Generator(model, tok, EngineOptions(kv_dtype="fp32"))
     try:
-        s = gen.new_session()
-        s.generate("system: be brief. " * 2, GREEDY)
-        shifts, last = 0, 0
-        while shifts < 2:
-            out = s.generate(" and then " + TEXT, params)
-            shifts += out.usage.prompt_tokens < last  # the history got shorter: a shift
-            last = out.usage.prompt_tokens
+        s, out = _shift_twice(gen, params)
         tokens, n = s.tokens, s.cache.length
-        kept = kv_of(gen, s.cache, n)
+        kept = _kv(gen, s.cache, n)
     finally:
         gen.close()
     gen = Generator(model, tok, EngineOptions(kv_dtype="fp32", prefix_cache=False))
@@ -122,7 +118,7 @@ def test_a_recomputing_shift_equals_a_fresh_prefill_at_every_layer():
             assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top, strict=True)) < 1e-4
         again = gen.new_session()
         again.generate(tokens[:n], SamplingParams(temperature=0, max_new_tokens=1))
-        torch.testing.assert_close(kept, kv_of(gen, again.cache, n), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(kept, _kv(gen, again.cache, n), rtol=1e-4, atol=1e-4)
     finally:
         gen.close()
 
