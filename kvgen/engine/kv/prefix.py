@@ -5,7 +5,9 @@ Each node of the tree is one full block: its key is the block's block_size token
 from the root is everything before it, and it holds one pool reference to the block (through a
 one-block table, `holder`, so the tiers can move it). A request that starts with a node's path
 shares the node's block: only full blocks are shared and a sequence's own writes start after
-them, so no write ever lands in a shared block (no copy on write is needed).
+them, so no write ever lands in a shared block. Where the blocks stop matching, the rows the
+request has in common with the start of a child block are copied into a block of its own
+(plain formats only; copy on write, done at the match).
 
 Trees are per `cache_salt`: requests with different salts never share a block, so a tenant
 cannot learn from timing what another one sent (vLLM's reason for the salt). The KV format and
@@ -82,30 +84,29 @@ class PrefixCache:
         back into the pool on the way; with no room for one, the match stops there. Returns the
         tokens reused."""
         bs = self.block_size
-        parent, shared, whole = self._roots.get(salt), [], True
+        parent, shared, cut_short = self._roots.get(salt), [], False
         for i in range((len(ids) - 1) // bs if parent else 0):
             node = parent.children.get(tuple(ids[i * bs:(i + 1) * bs]))
             if node is None:
                 break
             if node.block == HOLE:
-                whole = False  # the match ends at a block it cannot bring back: nothing past it
                 if not self.pool.available:
                     node.used = next(self._tick)  # the newest: trimming the tiers takes older leaves
                     self.evict(1)  # blocks matched so far are shared already: never the victims
                     if not node.holder.blocks:  # trimmed out of the tiers all the same: the match ends
+                        cut_short = True
                         break
                 try:
                     self.tiers.promote(node.holder)
                 except PoolExhausted:
+                    cut_short = True
                     break
-                whole = True
             node.used = next(self._tick)
             self.pool.share([node.block])
             shared.append(node.block)
             parent = node
-        if shared:
-            table.blocks, table.length = shared, len(shared) * bs
-        if parent is not None and whole:
+        table.blocks, table.length = shared, len(shared) * bs
+        if parent is not None and not cut_short:  # a block it could not bring back: nothing past it
             self._copy_rows(parent, table, ids)
         if table.length:
             self.stats.hits += 1
@@ -141,8 +142,8 @@ class PrefixCache:
             return
         copy = self.pool.alloc(1)[0]
         fmt.put_block(self.pool.store, copy, fmt.take_block(self.pool.store, best.block, rows), rows)
-        table.blocks = table.blocks + [copy]
-        table.length = start + rows
+        table.blocks.append(copy)
+        table.length += rows
 
     def insert(self, salt: str, tokens: list[int], table: PagedKVCache) -> int:
         """Index the table's full written blocks under their tokens (the table keeps its own
