@@ -34,9 +34,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from kvgen.engine.attention import Step  # noqa: E402
+from kvgen.engine.calibration import prefill  # noqa: E402
 from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
-from kvgen.engine.kv.formats import make_format  # noqa: E402
 from kvgen.engine.loader import embedded_model_path  # noqa: E402
 from kvgen.engine.model import Model, apply_rope, interleave  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
@@ -96,17 +95,11 @@ def prompts(seed: int = 0) -> list:
 
 
 def features(model: Model, ids: list[int]) -> torch.Tensor:
-    """The target's final-norm hidden states [n, H] of ids, one prefill over an fp32 cache (as
-    calibration.collect_kv runs one); Model.forward hands them out with features=."""
-    cfg, n, bs = model.cfg, len(ids), 16
-    fmt = make_format("fp32", cfg.num_layers, bs, cfg.num_kv_heads, cfg.head_dim, compute_dtype=model.act_dtype)
-    blocks = -(-n // bs)
-    pos = torch.arange(n)
-    step = Step(positions=pos, write_blocks=pos // bs, write_offsets=pos % bs, query_lens=[n], context_lens=[n],
-                block_tables=torch.arange(blocks)[None], logits_rows=torch.tensor([n - 1]), is_decode=n == 1)
+    """The target's final-norm hidden states [n, H] of ids, from one prefill over an fp32 cache
+    (calibration.prefill; Model.forward hands them out with features=)."""
     out: list = []
     with torch.inference_mode():
-        model.forward(torch.tensor(ids), step, fmt, fmt.allocate(blocks, model.device), features=out)
+        prefill(model, ids, features=out)
     return out[0].float().clone()
 
 

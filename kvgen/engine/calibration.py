@@ -47,9 +47,9 @@ buyers and sellers respond to the price, which economists call elasticity.
 """
 
 
-def collect_kv(model, ids: list[int], block_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Run ids through the model in one prefill over an fp32 cache; K, V [tokens, kvh, hd] per
-    layer, float32 on the CPU."""
+def prefill(model, ids: list[int], block_size: int = 16, features: list | None = None):
+    """Run ids through the model in one prefill over a fresh fp32 cache of their own (with
+    features, Model.forward appends the final hidden states there); returns (format, store)."""
     cfg = model.cfg
     n = len(ids)
     dev = model.device
@@ -61,11 +61,20 @@ def collect_kv(model, ids: list[int], block_size: int = 16) -> list[tuple[torch.
     step = Step(positions=pos, write_blocks=pos // block_size, write_offsets=pos % block_size,
                 query_lens=[n], context_lens=[n], block_tables=torch.arange(n_blocks, device=dev)[None],
                 logits_rows=torch.tensor([n - 1], device=dev), is_decode=n == 1)
-    model.forward(torch.tensor(ids, device=dev), step, fmt, store)
+    model.forward(torch.tensor(ids, device=dev), step, fmt, store, features=features)
+    return fmt, store
+
+
+def collect_kv(model, ids: list[int], block_size: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Run ids through the model in one prefill over an fp32 cache; K, V [tokens, kvh, hd] per
+    layer, float32 on the CPU."""
+    cfg, n = model.cfg, len(ids)
+    fmt, store = prefill(model, ids, block_size)
+    blocks = torch.arange(-(-n // block_size), device=model.device)
     shape = (-1, cfg.num_kv_heads, cfg.head_dim)
     out = []
     for layer in range(cfg.num_layers):
-        k, v = fmt.read(store, layer, torch.arange(n_blocks, device=dev))
+        k, v = fmt.read(store, layer, blocks)
         out.append((k.reshape(shape)[:n].float().cpu(), v.reshape(shape)[:n].float().cpu()))
     return out
 
