@@ -156,7 +156,7 @@ def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  #
 
 @njit(cache=True, nogil=True)
 def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gate_up, down, head, head_q4,
-          cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits):  # pragma: no cover - compiled
+          cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover - compiled
     rows, hidden = tokens.shape[0], embed.shape[1]
     h = np.empty((rows, hidden), np.float32)
     for r in range(rows):
@@ -214,6 +214,8 @@ def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gat
     x = np.empty((need.shape[0], hidden), np.float32)
     for i in range(need.shape[0]):
         _rms_norm(h[need[i]], norm, eps, x[i])
+    for r in range(features.shape[0]):  # every row's final-norm hidden state, where asked (EAGLE)
+        _rms_norm(h[r], norm, eps, features[r])
     if head_q4:
         cpu_kernels.q4_linear(x, head[0], head[1], head[2], logits, room)
     else:
@@ -301,11 +303,13 @@ class FusedDecode:
         self([(0, 0, [0])], {"kv": kv})
 
     def __call__(self, rows: list[tuple[int, int, list[int]]], store: dict, fmt=None,
-                 need: list[int] | None = None) -> torch.Tensor:
+                 need: list[int] | None = None, features: np.ndarray | None = None) -> torch.Tensor:
         """rows: (token, position, block table) per new token: one per decoding sequence, or a
         run of consecutive positions of one sequence (a prompt chunk, a draft), each of which
         attends up to its own position. Writes every row's K/V into the store, of format fmt
-        (None: plain fp32); returns the logits [len(need), vocab] of rows `need` (default all)."""
+        (None: plain fp32); returns the logits [len(need), vocab] of rows `need` (default all).
+        features: where given, [len(rows), hidden] float32 that gets every row's final-norm
+        hidden state (Model.forward's features)."""
         cfg = self.cfg
         if fmt is None or fmt.name == "fp32":
             kv, kvq = store["kv"].numpy(), self._plain
@@ -329,5 +333,5 @@ class FusedDecode:
         _step(tokens, positions, tables, kv, kvq, self.embed, self.ln1, self.ln2,
               self.norm, self.qkv, self.o, self.gate_up, self.down, self.head, self.head_q4, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-              need, logits)
+              need, logits, np.empty((0, cfg.hidden_size), np.float32) if features is None else features)
         return torch.from_numpy(logits[:, :self.vocab])

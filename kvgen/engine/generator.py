@@ -131,7 +131,7 @@ class Generator:
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
                              cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting,
                              mask_threads=opts.mask_threads,
-                             drafter=_make_drafter(model, opts, model_path, draft_model),
+                             drafter=in_fresh_thread(_make_drafter, model, opts, model_path, draft_model),
                              speculate=opts.speculative != "off", draft_tokens=opts.speculative_tokens,
                              draft_max_batch=opts.speculative_max_batch)
         self.grammars = Grammars(tokenizer.tok, cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)

@@ -115,7 +115,7 @@ class ModelRunner:
         self.prompt_logits: dict = {}  # the last step's, see run()
         self.draft_logits: dict = {}  # the last step's, see run()
         # keep_features: every step returns its tokens' final hidden states (an EAGLE head drafts
-        # from them), through torch attention: the kernel path's graphs return logits only
+        # from them), fused or through torch attention: the kernel path's graphs return logits only
         self.keep_features = False
         # small decode steps as one compiled call (fused_decode.py), where the model and format allow it
         fusable = fused and not (window or chunk) and FusedDecode.supports(model, fmt)
@@ -161,7 +161,7 @@ class ModelRunner:
         row then goes through the very operations a decode row does, whatever the chunk: its K/V
         and logits do not depend on how the prompt was cut, on what shares the step, or on
         whether the prefix cache supplied the tokens before it."""
-        return (self.fused is not None and not self.keep_features and seq.cache.kv_start == 0
+        return (self.fused is not None and seq.cache.kv_start == 0
                 and (n == 1 and not m or self._fused_chunks and (not seq.draft or m == n - 1)))
 
     def _split_step(self, batch: Batch, wanted, fusable: list[int]) -> torch.Tensor:
@@ -189,14 +189,22 @@ class ModelRunner:
         causal mask of a prefill chunk). Logits in run()'s order: each sequence's last row, then
         its extra rows (the first m of its rows: prompt positions asked for, or every draft row
         but the last); no other row's logits are computed."""
-        rows, last, extra = [], [], []
+        rows, last, extra, first = [], [], [], []
         for seq, n, m in wanted:
             start = seq.cache.length
             tokens = (seq.tokens + seq.draft)[start:start + n] if seq.draft else seq.tokens[start:start + n]
             extra.extend(range(len(rows), len(rows) + m))
+            first.append(len(rows))
             rows.extend((t, start + i, seq.cache.blocks) for i, t in enumerate(tokens))
             last.append(len(rows) - 1)
-        return self.fused(rows, self.store, self.fmt, need=last + extra)
+        if not self.keep_features:
+            return self.fused(rows, self.store, self.fmt, need=last + extra)
+        features = np.empty((len(rows), self.model.cfg.hidden_size), np.float32)
+        logits = self.fused(rows, self.store, self.fmt, need=last + extra, features=features)
+        features = torch.from_numpy(features)
+        for (seq, n, _), at in zip(wanted, first, strict=True):
+            self.features[seq] = features[at:at + n]
+        return logits
 
     # ---- TorchAttention: any step ----
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -40,7 +41,8 @@ def q4_model(gguf_base, bpe):  # noqa: F811
 
 def test_every_decode_step_equals_the_forward(q4_model):
     """Prefill 5 tokens, then 40 decode steps across block boundaries (blocks of 16): the fused
-    step's logits and the K/V it writes equal Model.forward's over the same cache."""
+    step's logits, final hidden states and the K/V it writes equal Model.forward's over the same
+    cache."""
     m, cfg = q4_model, q4_model.cfg
     fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     assert FusedDecode.supports(m, fmt)
@@ -63,9 +65,11 @@ def test_every_decode_step_equals_the_forward(q4_model):
         step = Step(positions=torch.tensor([pos]), write_blocks=b, write_offsets=o, query_lens=[1],
                     context_lens=[pos + 1], block_tables=torch.tensor([cache.blocks]), logits_rows=None,
                     is_decode=True)
-        want = m.forward(torch.tensor([ids[pos]]), step, fmt, pools[0].store)
-        got = fused([(ids[pos], pos, caches[1].blocks)], pools[1].store)
+        want_features, got_features = [], np.empty((1, cfg.hidden_size), np.float32)
+        want = m.forward(torch.tensor([ids[pos]]), step, fmt, pools[0].store, features=want_features)
+        got = fused([(ids[pos], pos, caches[1].blocks)], pools[1].store, features=got_features)
         assert_near(got, want)
+        assert_near(torch.from_numpy(got_features), want_features[0])  # what an EAGLE head drafts from
         for c in caches:
             c.advance(1)
     used = caches[0].blocks

@@ -58,3 +58,38 @@ def test_in_fresh_thread_returns_the_result_and_raises_the_error():
         assert e.args == ("x",)
     else:
         raise AssertionError("the error was not raised")
+
+
+_ENGINE_WITH_A_DRAFTER = """
+import tempfile
+from safetensors.torch import save_file
+from kvgen.engine.generator import EngineOptions, Generator
+from kvgen.engine.sampling import SamplingParams
+from kvgen.engine.threads import in_fresh_thread
+from tests.engine.speculative.test_lossless import eagle_head
+from tests.engine.test_batch_invariance import small_model
+model, tokenizer = in_fresh_thread(small_model)
+head = tempfile.NamedTemporaryFile(suffix=".safetensors")
+in_fresh_thread(lambda: save_file(eagle_head(model.cfg), head.name))
+import time
+def settled():  # an exited thread's pool workers go a moment after it
+    n = -1
+    while n != len(os.listdir("/proc/self/task")):
+        n = len(os.listdir("/proc/self/task"))
+        time.sleep(0.3)
+    return n
+before = settled()  # from here: the engines' own
+for opts in (EngineOptions(speculative="eagle", eagle_head=head.name), EngineOptions(speculative="draft")):
+    gen = Generator(model, tokenizer, opts, draft_model=model)
+    gen.generate("the cat sat on the mat and the cat sat on the", SamplingParams(temperature=0, max_new_tokens=8))
+    gen.close()
+settled()
+"""
+
+
+def test_an_engine_with_a_drafter_leaves_no_pool_behind():
+    """Building and closing engines that draft (an EAGLE head, a draft model) leaves the caller's
+    thread without a pool: one left there slowed every later engine in the process to less than
+    half its speed (bench/speculative.py's plain decoding after an EAGLE engine had run)."""
+    before, after = _threads(_ENGINE_WITH_A_DRAFTER)
+    assert after == before, f"the engines left {after - before} threads"

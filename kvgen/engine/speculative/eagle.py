@@ -11,11 +11,15 @@ LM head are the target's. Shapes must match the target's config.
 
 The head keeps its own one-layer paged KV (a pool of its own). Only positions whose feature came
 from the target are kept there: a proposal feeds the target features it has not seen yet in one
-chunk, then drafts k tokens on guessed features, and drops those positions again.
+chunk, then drafts k tokens on guessed features, and drops those positions again. A prompt whose
+start came from the prefix cache has no features for that start: the head's cache then begins
+at the first position the target computed (its keys keep their true RoPE positions), so the
+head attends to less context there and guesses worse, but drafts.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -95,15 +99,19 @@ class Eagle:
         self.fmt = make_format(PLAIN[target.act_dtype], 1, block_size, cfg.num_kv_heads, cfg.head_dim,
                                compute_dtype=target.act_dtype)
         self.pool = BlockPool.from_budget(self.fmt, kv_mb, target.device)
-        self._state: dict[object, tuple[PagedKVCache, dict[int, torch.Tensor]]] = {}  # seq -> (cache, features)
+        self._state: dict[object, _Head] = {}
 
     def observe(self, seq, start: int, features: torch.Tensor) -> None:
         """The target's features of seq's positions start.. (those whose K/V it kept this step)."""
-        cache, feats = self._state.setdefault(seq, (PagedKVCache(self.pool), {}))
+        state = self._state.get(seq)
+        if state is None or start < state.first:  # new, or preempted back past where its cache began
+            if state is not None:
+                state.cache.reset()
+            state = self._state[seq] = _Head(PagedKVCache(self.pool), {}, start)
         for i in range(features.shape[0]):
-            feats[start + i] = features[i]
-        if cache.length > start:  # a preemption or a rejected draft rewrote these positions
-            cache.truncate(start)
+            state.feats[start + i] = features[i]
+        if state.end > start:  # a rejected draft (or a preemption) rewrote these positions
+            state.cache.truncate(start - state.first)
 
     def propose(self, wanted: list[tuple[object, int]]) -> dict[object, tuple[list[int], torch.Tensor | None]]:
         out = {}
@@ -117,10 +125,10 @@ class Eagle:
         state = self._state.get(seq)
         if state is None:
             return None
-        cache, feats = state
+        cache, feats = state.cache, state.feats
         tokens = seq.tokens
         last = len(tokens) - 1  # the newest token: the target has not computed its feature yet
-        need = range(cache.length, last)
+        need = range(state.end, last)
         if not need or any(j not in feats for j in need):
             return None
         try:
@@ -129,13 +137,13 @@ class Eagle:
             self.forget(seq)
             return None
         dev = self.head.target.device
-        ids = torch.tensor(tokens[cache.length + 1:last + 1], device=dev)
+        ids = torch.tensor(tokens[state.end + 1:last + 1], device=dev)
         f = torch.stack([feats.pop(j) for j in need])
         drafted, qs = [], []
-        pos = cache.length
+        pos = state.end
         while True:
             n = ids.shape[0]
-            guess = self._run(cache, pos, ids, f)
+            guess = self._run(state, pos, ids, f)
             logits = self.head.target.lm_head(guess[-1:]).float().cpu()
             token, q = pick(logits, seq, tokens + drafted)
             drafted.append(token)
@@ -144,25 +152,41 @@ class Eagle:
             if len(drafted) == k:
                 break
             ids, f = torch.tensor([token], device=dev), guess[-1:]
-        cache.truncate(last)  # guessed features' positions go: the target's own come next time
+        cache.truncate(last - state.first)  # guessed features' positions go: the target's own come next time
         return drafted, None if qs[0] is None else torch.stack(qs)
 
-    def _run(self, cache: PagedKVCache, start: int, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+    def _run(self, state: _Head, start: int, ids: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
+        """The head over positions start.. (its cache holds state.first .. start - 1)."""
         n = ids.shape[0]
         dev = ids.device
-        blocks, offsets = cache.slots(start, n)
+        blocks, offsets = state.cache.slots(start - state.first, n)
         step = Step(positions=torch.arange(start, start + n, device=dev), write_blocks=blocks.to(dev),
                     write_offsets=offsets.to(dev), query_lens=[n], context_lens=[start + n],
-                    block_tables=torch.tensor([cache.blocks], device=dev), logits_rows=None, is_decode=n == 1)
+                    block_tables=torch.tensor([state.cache.blocks], device=dev), logits_rows=None,
+                    is_decode=n == 1, kv_starts=[state.first] if state.first else None)
         out = self.head.forward(ids, feats, step, self.fmt, self.pool.store)
-        cache.advance(n)
+        state.cache.advance(n)
         return out
 
     def forget(self, seq) -> None:
         state = self._state.pop(seq, None)
         if state is not None:
-            state[0].reset()
+            state.cache.reset()
 
     @property
     def sequences(self) -> int:
         return len(self._state)
+
+
+@dataclass
+class _Head:
+    """One sequence's drafting state: the head's cache, which holds positions first .. end - 1,
+    and the target's features it has not read yet (position -> [hidden])."""
+
+    cache: PagedKVCache
+    feats: dict[int, torch.Tensor]
+    first: int
+
+    @property
+    def end(self) -> int:
+        return self.first + self.cache.length

@@ -14,6 +14,7 @@ from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.speculative import Eagle, load_head
+from kvgen.engine.speculative.eagle import _Head
 from tests.engine.speculative.test_lossless import eagle_head
 from tests.engine.test_batch_invariance import SMALL as CFG
 from tests.engine.test_batch_invariance import small_model
@@ -46,12 +47,12 @@ def test_training_forward_is_the_served_head(tiny, tmp_path):
     ids = torch.randint(3, CFG.vocab_size, (32,), generator=g)
     f = features(model, ids.tolist())
     drafter = Eagle(model, load_head(str(save(w, tmp_path / "head.safetensors"))))
-    cache = PagedKVCache(drafter.pool)
-    cache.reserve(24)
+    state = _Head(PagedKVCache(drafter.pool), {}, 0)
+    state.cache.reserve(24)
     with torch.no_grad():
         want = head_forward(w, model, ids[None, 1:25], f[None, :24])[0]
-        chunk = drafter._run(cache, 0, ids[1:24], f[:23])
-        guess = drafter._run(cache, 23, ids[24:25], f[23:24])
+        chunk = drafter._run(state, 0, ids[1:24], f[:23])
+        guess = drafter._run(state, 23, ids[24:25], f[23:24])
     torch.testing.assert_close(chunk, want[:23], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(guess, want[23:], atol=1e-5, rtol=1e-5)
 
