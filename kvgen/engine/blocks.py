@@ -56,6 +56,17 @@ class Blocks:
             return cls("q4", d, m, torch.from_numpy(b[..., 4:].copy()))
         return cls("q4", d, -8 * d, torch.from_numpy(b[..., 2:].copy()))
 
+    @classmethod
+    def q8_from_float(cls, w: torch.Tensor) -> Blocks:
+        """Q8_0 blocks of a float weight [N, K] (K a multiple of 32), as llama.cpp's
+        quantize_row_q8_0 makes them: per block the scale amax / 127 (kept in float32 here) and
+        each input rounded to the nearest code."""
+        n, k = w.shape
+        g = w.float().reshape(n, k // GROUP, GROUP)
+        d = g.abs().amax(-1) / 127
+        qs = torch.round(g / torch.where(d > 0, d, 1)[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls("q8", d, None, qs)
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * GROUP

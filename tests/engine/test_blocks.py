@@ -168,3 +168,18 @@ def test_weight_dtype_auto_and_gguf_choice(gguf_base):  # noqa: F811
     assert Model(cfg, weights, "auto").weight_dtype == "fp32"
     with pytest.raises(ValueError, match="has none"):
         Model(cfg, weights, "gguf")
+
+
+def test_q8_blocks_from_float_are_llama_cpps_q8_0():
+    """Blocks.q8_from_float (the EAGLE head's matrices over gguf weights) makes gguf-py's Q8_0
+    codes (off by one at most where a product lands on a rounding tie: llama.cpp multiplies by
+    1 / d), every value within half a step of its block, and a zero block stays zero."""
+    x = np.random.default_rng(3).standard_normal((8, 128)).astype(np.float32)
+    x[1, :32] = 0.0
+    x[2, 5] = 40.0  # an outlier block
+    ours = Blocks.q8_from_float(torch.from_numpy(x))
+    theirs = Blocks.from_gguf("Q8_0", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
+    diff = (ours.qs.int() - theirs.qs.int()).abs()
+    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.99
+    assert ((ours.dequantize() - torch.from_numpy(x)).abs() <= ours.d.repeat_interleave(32, 1) / 2 + 1e-6).all()
+    assert (ours.qs[1, 0] == 0).all() and ours.d[1, 0] == 0

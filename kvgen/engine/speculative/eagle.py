@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from kvgen.engine.attention import TORCH_ATTENTION, Step
+from kvgen.engine.blocks import GROUP, BlockLinear, Blocks
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
@@ -62,11 +63,19 @@ class EagleHead:
                              f"{None if fc is None else tuple(fc.shape)}")
         w = {f"model.{k}": v.float() for k, v in weights.items() if k.startswith(PREFIX)}
         w["model.layers.0.input_layernorm.weight"] = torch.ones(hidden)  # unused: the layer has no input norm
+        # Over block (gguf) weights the head's matrices go to Q8_0 blocks too: a drafted token
+        # reads them all, and as fp32 (17 MB for SmolLM2's) that read cost 1.6 ms a token, about a
+        # third of the target's own decode step; drafts need not be exact, only cheap.
+        blocks = None
+        if target.weight_dtype == "gguf":
+            blocks = {k: Blocks.q8_from_float(v) for k, v in w.items() if v.ndim == 2 and v.shape[1] % GROUP == 0}
         try:
-            self.layer = Layer(cfg, w, 0, "fp32", target.act_dtype)
+            self.layer = Layer(cfg, w, 0, "gguf" if blocks else "fp32", target.act_dtype, blocks)
         except KeyError as e:
             raise ValueError(f"EAGLE head: missing tensor {str(e)[len('model.') + 1:-1]}") from None
-        self.fc = Linear(fc.float(), weights.get("fc.bias"), "fp32")
+        bias = weights.get("fc.bias")
+        bias = None if bias is None else bias.float()
+        self.fc = BlockLinear(Blocks.q8_from_float(fc), bias) if blocks else Linear(fc.float(), bias, "fp32")
         self.target, self.cfg = target, cfg
         if target.device.type != "cpu":
             move = lambda t: t.to(target.device)  # noqa: E731

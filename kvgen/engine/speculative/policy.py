@@ -9,7 +9,11 @@ from dataclasses import dataclass
 
 RAISE_ABOVE = 0.8
 LOWER_BELOW = 0.4
-GIVE_UP_AFTER = 4  # checks in a row below LOWER_BELOW at the smallest k: plain decode from then on
+# Checks at the smallest k whose pooled acceptance decides: below LOWER_BELOW, plain decoding from
+# then on. (Counted as checks in a row below it, a head accepting one draft in four never gave up:
+# each acceptance lifted the running rate over 0.4 and restarted the count, and it kept paying
+# for drafts that were mostly thrown away.)
+GIVE_UP_AFTER = 8
 SMOOTHING = 0.5  # weight of the latest check in the running acceptance rate
 
 
@@ -18,7 +22,9 @@ class DraftLength:
     k: int = 4
     k_max: int = 8
     rate: float | None = None  # running acceptance rate (exponential average)
-    low: int = 0  # consecutive checks below LOWER_BELOW at k == 1
+    low: int = 0  # checks at k == 1 in the current window of GIVE_UP_AFTER
+    low_drafted: int = 0  # and their drafted and accepted tokens
+    low_accepted: int = 0
     off: bool = False  # fell back to plain decoding for good
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -27,15 +33,17 @@ class DraftLength:
             return
         now = accepted / drafted
         self.rate = now if self.rate is None else SMOOTHING * now + (1 - SMOOTHING) * self.rate
+        if self.k == 1:
+            self.low, self.low_drafted, self.low_accepted = \
+                self.low + 1, self.low_drafted + drafted, self.low_accepted + accepted
+            if self.low == GIVE_UP_AFTER:
+                self.off = self.low_accepted < LOWER_BELOW * self.low_drafted
+                self.low = self.low_drafted = self.low_accepted = 0
         if self.rate > RAISE_ABOVE:
-            self.k, self.low = min(self.k + 1, self.k_max), 0
+            self.k = min(self.k + 1, self.k_max)
+            self.low = self.low_drafted = self.low_accepted = 0
         elif self.rate < LOWER_BELOW:
-            if self.k == 1:
-                self.low += 1
-                self.off = self.low >= GIVE_UP_AFTER
             self.k = max(1, self.k - 1)
-        else:
-            self.low = 0
 
 
 def draft_cap(running: int, k_max: int, max_batch: int) -> int:

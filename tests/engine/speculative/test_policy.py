@@ -28,6 +28,22 @@ def test_falls_back_to_plain_decoding_when_acceptance_stays_low():
     assert d.off
 
 
+def test_gives_up_when_one_draft_in_four_is_kept_not_when_one_in_two_is():
+    """At the smallest k, a window of checks decides on its pooled acceptance: a sequence keeping
+    one draft in four falls back (each kept draft lifts the running rate over 0.4, so counting
+    checks in a row below it never would), one keeping every other draft goes on drafting."""
+    quarter = DraftLength(k=1)
+    for i in range(40):
+        quarter.record(1, int(i % 4 == 3))
+        if quarter.off:
+            break
+    assert quarter.off and i < 16
+    half = DraftLength(k=1)
+    for i in range(40):
+        half.record(1, i % 2)
+    assert not half.off and half.k == 1
+
+
 def test_a_large_batch_drafts_less_and_then_not_at_all():
     assert draft_cap(1, 8, 8) == 8
     assert draft_cap(2, 8, 8) == 4
