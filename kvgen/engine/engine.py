@@ -305,6 +305,8 @@ class Engine:
         for seq in running:
             if seq.pending != 1 or seq.finished or not self._speculates(seq):
                 continue
+            if seq.draft_length.rate is None:  # not checked yet: the drafter's first length
+                seq.draft_length.k = min(seq.draft_length.k, self.drafter.first_k)
             # k drafts yield up to k + 1 tokens: never more than the request may still take
             left = min(seq.params.max_new_tokens - len(seq.output_ids), room - seq.num_tokens) - 1
             k = min(cap, seq.draft_length.k, left)

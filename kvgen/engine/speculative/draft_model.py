@@ -38,6 +38,9 @@ class DraftModel:
         self._caches: dict[object, tuple[PagedKVCache, list[int]]] = {}  # seq -> (cache, tokens it holds)
 
     wants_features = False  # the engine hands the target's hidden states only to drafters that ask
+    # A sequence's first draft length: each drafted token costs a forward of the draft, so a
+    # sequence starts with one and its acceptance earns it more (above 0.8: one more a check).
+    first_k = 1
 
     def propose(self, wanted: list[tuple[object, int]]) -> dict[object, tuple[list[int], torch.Tensor | None]]:
         """For each (sequence, k): k drafted tokens and, for sampled requests, the distribution

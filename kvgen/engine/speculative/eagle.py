@@ -101,6 +101,7 @@ class Eagle:
     """The drafter: per sequence, the head's cache and the target features it has not read yet."""
 
     wants_features = True
+    first_k = 1  # as DraftModel's: a drafted token costs a forward of the head and the LM head
 
     def __init__(self, target: Model, weights: dict[str, torch.Tensor], kv_mb: float = 32.0, block_size: int = 16):
         self.head = EagleHead(target, weights)

@@ -1,7 +1,10 @@
 """Each sequence's draft length follows its acceptance with the seeds' thresholds, and the batch
 size caps it."""
 
+from kvgen.engine.generator import EngineOptions, Generator
+from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.speculative import DraftLength, draft_cap
+from tests.engine.test_batch_invariance import small_model
 
 
 def test_raises_above_0_8_lowers_below_0_4_holds_between():
@@ -49,3 +52,29 @@ def test_a_large_batch_drafts_less_and_then_not_at_all():
     assert draft_cap(2, 8, 8) == 4
     assert draft_cap(8, 8, 8) == 1
     assert draft_cap(9, 8, 8) == 0
+
+
+def test_model_drafters_start_at_one_token_and_grow_with_acceptance():
+    """In the engine: a draft model (each drafted token costs it a forward) first drafts one token
+    and earns more, a check at a time, while its drafts are kept (here it is the target itself:
+    all are); prompt lookup (free to propose) starts at its default length."""
+    small = small_model()
+    asked = {}
+    for mode in ("draft", "ngram"):
+        gen = Generator(*small, EngineOptions(speculative=mode, speculative_tokens=5),
+                        draft_model=small[0] if mode == "draft" else None)
+        propose = gen.engine.drafter.propose
+        asked[mode] = []
+
+        def spy(wanted, propose=propose, mode=mode):
+            asked[mode].extend(k for _, k in wanted)
+            return propose(wanted)
+
+        gen.engine.drafter.propose = spy
+        try:
+            gen.generate("the cat sat on the mat and the cat sat on the mat and the cat sat on the",
+                         SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True))
+        finally:
+            gen.close()
+    assert asked["draft"][:5] == [1, 2, 3, 4, 5]
+    assert asked["ngram"][0] == 4
