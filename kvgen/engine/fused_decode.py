@@ -277,6 +277,7 @@ class FusedDecode:
         self.vocab = head.out_features
         self.padded_vocab = head.d.shape[0] * head.d.shape[-1]
         self._plain = fused_attention.cache_tuple(_PLAIN, {})
+        self._no_features = np.empty((0, cfg.hidden_size), np.float32)  # what a step without features passes
         self.cos = np.ascontiguousarray(model.rot.real.numpy())
         self.sin = np.ascontiguousarray(model.rot.imag.numpy())
 
@@ -333,5 +334,5 @@ class FusedDecode:
         _step(tokens, positions, tables, kv, kvq, self.embed, self.ln1, self.ln2,
               self.norm, self.qkv, self.o, self.gate_up, self.down, self.head, self.head_q4, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-              need, logits, np.empty((0, cfg.hidden_size), np.float32) if features is None else features)
+              need, logits, self._no_features if features is None else features)
         return torch.from_numpy(logits[:, :self.vocab])

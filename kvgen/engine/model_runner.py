@@ -189,22 +189,27 @@ class ModelRunner:
         causal mask of a prefill chunk). Logits in run()'s order: each sequence's last row, then
         its extra rows (the first m of its rows: prompt positions asked for, or every draft row
         but the last); no other row's logits are computed."""
-        rows, last, extra, first = [], [], [], []
+        rows, last, extra = [], [], []
         for seq, n, m in wanted:
             start = seq.cache.length
             tokens = (seq.tokens + seq.draft)[start:start + n] if seq.draft else seq.tokens[start:start + n]
             extra.extend(range(len(rows), len(rows) + m))
-            first.append(len(rows))
             rows.extend((t, start + i, seq.cache.blocks) for i, t in enumerate(tokens))
             last.append(len(rows) - 1)
         if not self.keep_features:
             return self.fused(rows, self.store, self.fmt, need=last + extra)
         features = np.empty((len(rows), self.model.cfg.hidden_size), np.float32)
         logits = self.fused(rows, self.store, self.fmt, need=last + extra, features=features)
-        features = torch.from_numpy(features)
-        for (seq, n, _), at in zip(wanted, first, strict=True):
-            self.features[seq] = features[at:at + n]
+        self._keep_features(wanted, torch.from_numpy(features))
         return logits
+
+    def _keep_features(self, wanted, features: torch.Tensor) -> None:
+        """self.features from a step's final hidden states [rows, hidden], each sequence's n
+        rows in wanted's order (both step paths lay their rows out so)."""
+        at = 0
+        for seq, n, _ in wanted:
+            self.features[seq] = features[at:at + n]
+            at += n
 
     # ---- TorchAttention: any step ----
 
@@ -247,10 +252,7 @@ class ModelRunner:
             return self.model.forward(input_ids, step, self.fmt, self.store)
         out: list = []
         logits = self.model.forward(input_ids, step, self.fmt, self.store, features=out)
-        at = 0
-        for seq, n, _ in wanted:
-            self.features[seq] = out[0][at:at + n]
-            at += n
+        self._keep_features(wanted, out[0])
         return logits
 
     # ---- KernelAttention: decode-only steps, through CUDA graphs ----

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvgen.engine.speculative.policy import FIRST_K
+
 
 class PromptLookup:
     """Drafts from the sequence's own tokens; longer n-grams are tried first (fewer, better matches)."""
 
     wants_features = False  # the engine hands the target's hidden states only to drafters that ask
-    first_k = 4  # a sequence's first draft length (DraftLength): lookups cost nothing to propose
+    first_k = FIRST_K  # a sequence's first draft length: lookups cost nothing to propose
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 3):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

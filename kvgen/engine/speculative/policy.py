@@ -15,16 +15,16 @@ LOWER_BELOW = 0.4
 # for drafts that were mostly thrown away.)
 GIVE_UP_AFTER = 8
 SMOOTHING = 0.5  # weight of the latest check in the running acceptance rate
+FIRST_K = 4  # a sequence's draft length until its first check (drafters may start lower: first_k)
 
 
 @dataclass(slots=True)
 class DraftLength:
-    k: int = 4
+    k: int = FIRST_K
     k_max: int = 8
     rate: float | None = None  # running acceptance rate (exponential average)
-    low: int = 0  # checks at k == 1 in the current window of GIVE_UP_AFTER
-    low_drafted: int = 0  # and their drafted and accepted tokens
-    low_accepted: int = 0
+    low: int = 0  # checks at k == 1 in the current window of GIVE_UP_AFTER (one drafted token each)
+    low_accepted: int = 0  # and how many of their drafts were kept
     off: bool = False  # fell back to plain decoding for good
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -34,14 +34,13 @@ class DraftLength:
         now = accepted / drafted
         self.rate = now if self.rate is None else SMOOTHING * now + (1 - SMOOTHING) * self.rate
         if self.k == 1:
-            self.low, self.low_drafted, self.low_accepted = \
-                self.low + 1, self.low_drafted + drafted, self.low_accepted + accepted
+            self.low, self.low_accepted = self.low + 1, self.low_accepted + accepted
             if self.low == GIVE_UP_AFTER:
-                self.off = self.low_accepted < LOWER_BELOW * self.low_drafted
-                self.low = self.low_drafted = self.low_accepted = 0
+                self.off = self.low_accepted < LOWER_BELOW * GIVE_UP_AFTER
+                self.low = self.low_accepted = 0
         if self.rate > RAISE_ABOVE:
             self.k = min(self.k + 1, self.k_max)
-            self.low = self.low_drafted = self.low_accepted = 0
+            self.low = self.low_accepted = 0
         elif self.rate < LOWER_BELOW:
             self.k = max(1, self.k - 1)
 
