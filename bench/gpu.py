@@ -9,7 +9,8 @@ scaled_dot_product_attention on the same K/V gathered into dense fp16 [B, KVH, c
 (gathered outside the timing, so SDPA is shown its best case: contiguous memory).
 
 Timing: CUDA events around `iters` back-to-back calls after `warmup` calls; the median of
-`repeats` such runs. The engine's decode tokens/s section is added by the lead later.
+`repeats` such runs; each call a CUDA-graph replay of the op (as the engine's decode step runs
+it), and the eager call beside it. The engine's decode tokens/s section is added by the lead later.
 
     .venv/bin/python bench/gpu.py [--formats fp16,fp8,q4] [--batches 1,4,16,64]
         [--contexts 512,4096,32768] [--check] [--out PATH]
@@ -57,6 +58,20 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / (ms * 1e-3)
 
 
+def _graphed(fn):
+    """fn captured in a CUDA graph, returned as its replay: how the engine runs a decode step,
+    so host launch overhead (CuPy's, torch's) stays out of the kernel's time."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def _fill_random(fmt, store: dict[str, torch.Tensor]) -> None:
     """Plausible random cache contents without going through a write per token."""
     if fmt.name in ("fp32", "fp16", "bf16"):
@@ -96,8 +111,12 @@ def bench_case(name: str, batch: int, ctx: int, args, copy_bw: float) -> dict | 
     splits = ops.choose_num_splits(batch, kvh, heads, blocks_per_seq * bs, bs,
                                    torch.cuda.get_device_properties(0).multi_processor_count)
     out = torch.empty_like(q)
-    fd_ms = _time_ms(lambda: ops.flash_decode(q, fmt, store, 0, tables, ctx_lens, splits, out=out),
-                     args.warmup, args.iters, args.repeats)
+
+    def fd():
+        ops.flash_decode(q, fmt, store, 0, tables, ctx_lens, splits, out=out)
+
+    fd_eager_ms = _time_ms(fd, args.warmup, args.iters, args.repeats)
+    fd_ms = _time_ms(_graphed(fd), args.warmup, args.iters, args.repeats)
 
     # SDPA on the same data, gathered to dense fp16 once, a sequence at a time (not timed).
     k = torch.empty(batch, kvh, ctx, hd, dtype=torch.float16, device="cuda")
@@ -109,18 +128,24 @@ def bench_case(name: str, batch: int, ctx: int, args, copy_bw: float) -> dict | 
         del kb, vb
     check = None
     if args.check:
-        ref = torch.nn.functional.scaled_dot_product_attention(q[:, :, None].float(), k.float(), v.float(),
-                                                               enable_gqa=True)[:, :, 0]
-        check = (out.float() - ref).abs().max().item()
+        check = 0.0
+        for i in range(batch):  # a row at a time: fp32 copies of the whole batch may not fit
+            ref = torch.nn.functional.scaled_dot_product_attention(
+                q[i:i + 1, :, None].float(), k[i:i + 1].float(), v[i:i + 1].float(), enable_gqa=True)[:, :, 0]
+            check = max(check, (out[i:i + 1].float() - ref).abs().max().item())
     q4d = q[:, :, None]
-    sdpa_ms = _time_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q4d, k, v, enable_gqa=True),
-                       args.warmup, args.iters, args.repeats)
+
+    def sdpa():
+        torch.nn.functional.scaled_dot_product_attention(q4d, k, v, enable_gqa=True)
+
+    sdpa_eager_ms = _time_ms(sdpa, args.warmup, args.iters, args.repeats)
+    sdpa_ms = _time_ms(_graphed(sdpa), args.warmup, args.iters, args.repeats)
     return {
         "format": name, "batch": batch, "context": ctx, "splits": splits,
-        "fd_us": fd_ms * 1e3, "kv_mb": kv_bytes / 1e6, "fd_gbs": kv_bytes / (fd_ms * 1e-3) / 1e9,
-        "fd_pct": 100 * kv_bytes / (fd_ms * 1e-3) / copy_bw,
-        "sdpa_us": sdpa_ms * 1e3, "sdpa_pct": 100 * dense_bytes / (sdpa_ms * 1e-3) / copy_bw,
-        "max_err": check,
+        "fd_us": fd_ms * 1e3, "fd_eager_us": fd_eager_ms * 1e3, "kv_mb": kv_bytes / 1e6,
+        "fd_gbs": kv_bytes / (fd_ms * 1e-3) / 1e9, "fd_pct": 100 * kv_bytes / (fd_ms * 1e-3) / copy_bw,
+        "sdpa_us": sdpa_ms * 1e3, "sdpa_eager_us": sdpa_eager_ms * 1e3,
+        "sdpa_pct": 100 * dense_bytes / (sdpa_ms * 1e-3) / copy_bw, "max_err": check,
     }
 
 
@@ -134,14 +159,18 @@ def render(rows: list[dict], device: str, copy_bw: float, args) -> str:
         "`% copy` = KV bytes the kernel must read per second / that bandwidth. SDPA reads the same "
         "K/V gathered to dense fp16 (its bytes: 4 x KVH x HD per token).",
         "",
-        "| format | batch | context | splits | flash-decode µs | KV MB | GB/s | % copy | SDPA µs "
-        "| SDPA % copy |" + (" max err |" if args.check else ""),
-        "| --- |" + " ---: |" * (9 + bool(args.check)),
+        "Times are CUDA-graph replays (as the engine runs a decode step); `eager` is the same call "
+        "launched from Python each time (CuPy's and torch's launch overhead included).",
+        "",
+        "| format | batch | context | splits | flash-decode µs | eager µs | KV MB | GB/s | % copy | SDPA µs "
+        "| SDPA eager µs | SDPA % copy | flash-decode / SDPA |" + (" max err |" if args.check else ""),
+        "| --- |" + " ---: |" * (12 + bool(args.check)),
     ]
     for r in rows:
         line = (f"| {r['format']} | {r['batch']} | {r['context']} | {r['splits']} | {r['fd_us']:.1f} | "
-                f"{r['kv_mb']:.1f} | {r['fd_gbs']:.0f} | {r['fd_pct']:.0f}% | {r['sdpa_us']:.1f} | "
-                f"{r['sdpa_pct']:.0f}% |")
+                f"{r['fd_eager_us']:.1f} | {r['kv_mb']:.1f} | {r['fd_gbs']:.0f} | {r['fd_pct']:.0f}% | "
+                f"{r['sdpa_us']:.1f} | {r['sdpa_eager_us']:.1f} | {r['sdpa_pct']:.0f}% | "
+                f"{r['fd_us'] / r['sdpa_us']:.2f} |")
         if args.check:
             line += f" {r['max_err']:.2e} |"
         lines.append(line)
@@ -184,8 +213,8 @@ def main(argv=None) -> int:
                     continue
                 rows.append(r)
                 print(f"{name} batch {batch:3d} ctx {ctx:6d} splits {r['splits']:3d}: {r['fd_us']:9.1f} us "
-                      f"{r['fd_pct']:5.1f}% of copy | SDPA {r['sdpa_us']:9.1f} us {r['sdpa_pct']:5.1f}%",
-                      flush=True)
+                      f"(eager {r['fd_eager_us']:7.1f}) {r['fd_pct']:5.1f}% of copy | SDPA {r['sdpa_us']:9.1f} us "
+                      f"(eager {r['sdpa_eager_us']:7.1f}) {r['sdpa_pct']:5.1f}%", flush=True)
     out = pathlib.Path(args.out) if args.out else (
         ROOT / "bench" / "results" / f"gpu-{re.sub(r'[^A-Za-z0-9._-]+', '-', device).strip('-')}.md")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,6 +40,7 @@ bucketing is tested without a GPU).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -209,7 +210,26 @@ class GraphRunner:
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
                 entry.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(entry.graph, pool=self._pool):
+                with _no_collection(), torch.cuda.graph(entry.graph, pool=self._pool):
                     entry.outputs = self.step(static)
         self._graphs[bucket] = entry
         return entry
+
+
+class _no_collection:
+    """Python's garbage collector held off for a capture. A collection inside the capture
+    that destroys another CUDA graph (say, an engine's that was closed but sits in a
+    reference cycle) calls cudaGraphExecDestroy, which invalidates the capture
+    (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: seen on an H100 in tests/engine/test_cuda_engine.py).
+    torch.cuda.graph no longer collects on entry (torch.compiler.config.force_cudagraph_gc),
+    so the cycles are collected here, before the capture starts."""
+
+    def __enter__(self):
+        gc.collect()
+        self._was = gc.isenabled()
+        gc.disable()
+
+    def __exit__(self, *exc):
+        if self._was:
+            gc.enable()
+

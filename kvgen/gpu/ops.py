@@ -9,11 +9,11 @@ and on disk by CuPy):
 
 Everything is launched on torch's current stream (CuPy through an ExternalStream, Numba
 through cuda.external_stream), so it orders with the surrounding torch work and is captured
-by torch.cuda.graph. Tensors reach CuPy / Numba without copies through
-__cuda_array_interface__ (bf16 / fp16 / fp8 are passed as int16 / uint8 views of the same
-memory; the kernels decode the bits). Scalars are passed as np.int32 / np.float32 so the
-kernel parameter sizes match. No function here reads a device value on the host: nothing
-syncs, which is what makes the decode step capturable.
+by torch.cuda.graph. Tensors reach the CuPy kernels as their device addresses (np.uint64) and
+Numba through __cuda_array_interface__, without copies (bf16 / fp16 / fp8 as int16 / uint8
+views of the same memory; the kernels decode the bits). Scalars are passed as np.int32 /
+np.float32 so the kernel parameter sizes match. No function here reads a device value on the
+host: nothing syncs, which is what makes the decode step capturable.
 
 A decode step (the engine's Model.forward with attention.KernelAttention), with seq_lens[b] =
 tokens already cached for row b (-1 for padding rows):
@@ -41,8 +41,8 @@ MAX_HEAD_DIM = 256
 APPEND_THREADS = 128  # kv_append.cu KVG_APPEND_THREADS
 DECODE_THREADS = 128  # flash_decode.cu KVG_FD_THREADS
 MAX_HEADS_PER_CTA = 8  # flash_decode.cu KVG_FD_MAX_G
-# Resident flash-decode thread blocks per SM assumed by the split heuristic (about 120
-# registers x 128 threads at head_dim 128 -> 4 per SM); a GPU profile may retune it.
+# Resident flash-decode thread blocks per SM assumed by the split heuristic (126
+# registers x 128 threads at head_dim 128 on sm_90 -> 4 per SM); a GPU profile may retune it.
 CTAS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 128
 
@@ -99,8 +99,13 @@ def raw(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _cp(t: torch.Tensor):
-    return _cupy().asarray(raw(t))  # zero-copy through __cuda_array_interface__
+def _ptr(t: torch.Tensor) -> np.uint64:
+    """A pointer parameter: the tensor's device address. CuPy passes a numpy scalar's bytes as
+    they are, so a uint64 is a pointer argument; a CuPy array made per argument (through
+    __cuda_array_interface__) cost ~15 us each, ~200 us of host time per flash_decode call."""
+    if t.device.type != "cuda":
+        raise ValueError(f"expected a CUDA tensor, got one on {t.device}")
+    return np.uint64(raw(t).data_ptr())
 
 
 def _launch(module: str, fn: str, device_index: int, grid, block, args) -> None:
@@ -142,7 +147,7 @@ def _exact_tail(fmt, store: dict[str, torch.Tensor], cache: torch.Tensor, hd: in
     a format that keeps each sequence's newest block and first token exact (ExactTail,
     kvgen/engine/kv/stage.py), or stand-ins and -1 (no exact tail) for any other format."""
     if not getattr(fmt, "recent_slots", 0):
-        return _cp(cache), _cp(cache), _cp(cache), _cp(cache), np.int32(-1)
+        return _ptr(cache), _ptr(cache), _ptr(cache), _ptr(cache), np.int32(-1)
     rows, recent_of, sink, first_of = fmt.exact_tensors(store)
     nb, n_layers, _, bs, kvh = cache.shape[:5]
     ok = (rows.shape[1:] == (n_layers, 2, bs, kvh, hd) and sink.shape[1:] == (n_layers, 2, kvh, hd)
@@ -152,7 +157,7 @@ def _exact_tail(fmt, store: dict[str, torch.Tensor], cache: torch.Tensor, hd: in
     if not ok:
         raise ValueError(f"exact tail {tuple(rows.shape)} {rows.dtype}, sink {tuple(sink.shape)}, slot maps "
                          f"{tuple(recent_of.shape)} {recent_of.dtype} do not fit the store {tuple(cache.shape)}")
-    return _cp(rows), _cp(recent_of), _cp(sink), _cp(first_of), np.int32(_DTYPE_ID[rows.dtype])
+    return _ptr(rows), _ptr(recent_of), _ptr(sink), _ptr(first_of), np.int32(_DTYPE_ID[rows.dtype])
 
 
 def _check_int32(name: str, t: torch.Tensor, ndim: int, batch: int) -> None:
@@ -194,9 +199,9 @@ def kv_append(fmt, store: dict[str, torch.Tensor], layer: int, k: torch.Tensor, 
     dev = device_index(k)
     k, v = k.contiguous(), v.contiguous()
     *exact, exact_dt = _exact_tail(fmt, store, cache, hd)
-    args = (_cp(k), _cp(v), _cp(cache), _cp(scale if scale is not None else cache),
-            _cp(key_scale if key_scale is not None else cache), _cp(block_tables),
-            _cp(seq_lens), *exact, np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
+    args = (_ptr(k), _ptr(v), _ptr(cache), _ptr(scale if scale is not None else cache),
+            _ptr(key_scale if key_scale is not None else cache), _ptr(block_tables),
+            _ptr(seq_lens), *exact, np.int32(block_tables.shape[1]), np.int32(n_layers), np.int32(layer),
             np.int32(block_size), np.int32(kvh), np.int32(hd), np.int32(group), exact_dt)
     fn = f"kv_append_{name}_{_DTYPE_NAME[k.dtype]}"
     _launch("kv_append", fn, dev, (b, kvh, 2), (APPEND_THREADS,), args)
@@ -214,7 +219,7 @@ def increment(seq_lens: torch.Tensor, valid: torch.Tensor | None = None, n: int 
     dev = device_index(seq_lens)
     has_valid = valid is not None
     mask = valid.contiguous() if has_valid else seq_lens
-    args = (_cp(seq_lens), _cp(mask), np.int32(has_valid), np.int32(batch), np.int32(n))
+    args = (_ptr(seq_lens), _ptr(mask), np.int32(has_valid), np.int32(batch), np.int32(n))
     _launch("kv_append", "kv_increment", dev, (-(-batch // 128),), (128,), args)
 
 
@@ -312,14 +317,14 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
     hd_name = "hd128" if hd <= 128 else "hd256"
     *exact, exact_dt = _exact_tail(fmt, store, cache, hd)
     split_args = (
-        _cp(q), _cp(cache), _cp(scale if scale is not None else cache),
-        _cp(key_scale if key_scale is not None else cache), _cp(block_tables),
-        _cp(context_lens), *exact, _cp(part_acc), _cp(part_ml), np.int32(max_blocks), np.int32(len_offset),
+        _ptr(q), _ptr(cache), _ptr(scale if scale is not None else cache),
+        _ptr(key_scale if key_scale is not None else cache), _ptr(block_tables),
+        _ptr(context_lens), *exact, _ptr(part_acc), _ptr(part_ml), np.int32(max_blocks), np.int32(len_offset),
         np.int32(h), np.int32(kvh), np.int32(hd), np.int32(n_layers), np.int32(layer),
         np.int32(block_size), np.int32(group), np.int32(num_splits), exact_dt,
         np.float32(sm_scale * math.log2(math.e)))
     _launch("flash_decode", f"flash_decode_split_{name}_{_DTYPE_NAME[q.dtype]}_{hd_name}", dev,
             (num_splits, kvh * chunks, b), (DECODE_THREADS,), split_args)
-    reduce_args = (_cp(part_acc), _cp(part_ml), _cp(out), np.int32(h), np.int32(hd), np.int32(num_splits))
+    reduce_args = (_ptr(part_acc), _ptr(part_ml), _ptr(out), np.int32(h), np.int32(hd), np.int32(num_splits))
     _launch("flash_decode", f"flash_decode_reduce_{_DTYPE_NAME[q.dtype]}", dev, (h, b), (128,), reduce_args)
     return out

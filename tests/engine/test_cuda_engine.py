@@ -10,8 +10,9 @@
   (top-2 logit gap < 1e-2); fp8 / q4 agree for most tokens (the agreement is printed, -s);
 * graphs on == graphs off token for token at batch 1, 3 and 8 (padded to buckets 1, 4, 8, and
   smaller buckets as sequences finish);
-* the prefix cache (a shared prompt's blocks reused, same tokens as without) and constrained
-  decoding (JSON Schema, with the mask computed during the CUDA forward) on CUDA;
+* the prefix cache (a shared prompt's blocks reused, same tokens as without), speculative
+  decoding (prompt lookup, a draft model) and constrained decoding (JSON Schema, with the mask
+  computed during the CUDA forward) on CUDA;
 * GetModelInfo reports the device.
 """
 
@@ -181,37 +182,55 @@ def test_decode_step_runs_from_graphs(tiny_cuda):
 # ---- Model.forward on the GPU against the CPU -----------------------------------------------
 
 
-@pytest.mark.parametrize(("kv", "window"), (("fp32", 0), ("fp16", 0), ("q4", 0), ("q3", 0), ("fp32", 8)))
+def _run_chunks(model, kv: str, window: int, ids: list[int], expect_kernels: bool) -> torch.Tensor:
+    """Logits of a prefill of 10, a chunk of 7 (masked prefill), then single tokens (flash_decode;
+    the torch decode path for q3 and with a sliding window): ModelRunner, the way the engine runs
+    steps (on the CPU: torch attention)."""
+    cfg = model.cfg
+    fmt = make_format(kv, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)
+    pool = BlockPool(fmt, 16, model.device)
+    cache = PagedKVCache(pool)
+    runner = ModelRunner(model, fmt, pool.store, window=window, width=16)
+    assert (runner.kernel_attention is not None) == expect_kernels
+    seq = _sequences([ids], [cache])[0]
+    out = []
+    for n in [10, 7] + [1] * (len(ids) - 17):
+        cache.reserve(n)
+        out.append(runner.run([(seq, n)])[0])
+        cache.advance(n)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(("kv", "window"), (("fp32", 0), ("fp16", 0), ("fp32", 8)))
 def test_forward_on_cuda_matches_cpu(embedded, cuda_model, kv, window):
-    """Prefill of 10, a chunk of 7 (masked prefill), then single tokens (flash_decode; the torch
-    decode path for q3 and with a sliding window): ModelRunner on the GPU, the way the engine
-    runs steps, against the same on the CPU (Model.forward with torch attention)."""
     cpu, tok = embedded
-    gpu, _ = cuda_model
     ids = tok.encode("The capital of France is Paris, the capital of Germany is Berlin, and the capital of "
                      "Italy is Rome. The capital of Spain is")
     assert len(ids) > 24
-    chunks = [10, 7] + [1] * (len(ids) - 17)
-    cfg = cpu.cfg
-    outs = []
-    for model in (cpu, gpu):
-        fmt = make_format(kv, cfg.num_layers, 4, cfg.num_kv_heads, cfg.head_dim)
-        pool = BlockPool(fmt, 16, model.device)
-        cache = PagedKVCache(pool)
-        runner = ModelRunner(model, fmt, pool.store, window=window, width=16)  # on the CPU: torch attention
-        assert (runner.kernel_attention is not None) == (model is gpu and kv != "q3" and not window)
-        seq = _sequences([ids], [cache])[0]
-        out = []
-        for n in chunks:
-            cache.reserve(n)
-            out.append(runner.run([(seq, n)])[0])
-            cache.advance(n)
-        outs.append(torch.stack(out))
+    want = _run_chunks(cpu, kv, window, ids, expect_kernels=False)
+    got = _run_chunks(cuda_model[0], kv, window, ids, expect_kernels=not window)
     # fp32: summation order only. Stored K/V can round either way where the GPU's value is a
-    # last bit off the CPU's (one fp16 ulp; one q4 / q3 code); a misread block would be O(1).
+    # last bit off the CPU's (one fp16 ulp); a misread block would be O(1).
     tol = {"fp32": 2e-3, "fp16": 5e-2}.get(kv, 0.1)
-    err = (outs[0] - outs[1]).abs().max().item()
+    err = (got.cpu() - want).abs().max().item()
     assert err < tol, f"max |logit diff| {err}"
+
+
+@pytest.mark.parametrize("kv", ("q4", "q3"))
+def test_quantized_forward_on_cuda_matches_cpu(tiny_cuda, kv):
+    """q4 / q3 on a 2-layer model. On the embedded model's 30 layers a last-bit difference
+    flips a key code, the block's per-channel key scales re-encode it, and the flips compound:
+    on the CPU alone, embeddings perturbed by 3e-7 (relative) moved its q4 logits by up to 2.2
+    and q3's by up to 5.3, while a block zeroed after the prefill moved them by 8 -- too close
+    to tell a misread from rounding (H100 against the CPU: 1.0 and 4.4). Two layers amplify
+    little: perturbed by 1e-5 (far more than GPU vs CPU fp32), this model's logits moved by at
+    most 0.08 (q4) and 0.003 (q3) of a std of 6."""
+    cpu = Model(tiny_cuda.cfg, tiny_weights(tiny_cuda.cfg, seed=5))
+    ids = torch.randint(0, tiny_cuda.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    want = _run_chunks(cpu, kv, 0, ids, expect_kernels=False)
+    got = _run_chunks(tiny_cuda, kv, 0, ids, expect_kernels=kv != "q3")
+    err = (got.cpu() - want).abs().max().item()
+    assert err < 0.25, f"max |logit diff| {err}"
 
 
 # ---- greedy generation, CUDA engine against the CPU engine ------------------------------------
@@ -311,6 +330,32 @@ def test_constrained_json_on_cuda(cuda_model):
         assert len(out[3].token_ids) == N_NEW  # the unconstrained row in the same batch
     finally:
         gen.close()
+
+
+@pytest.mark.parametrize("mode", ("ngram", "draft"))
+def test_speculative_decoding_on_cuda_equals_plain(cuda_model, oracle_ids, mode):
+    """Prompt lookup, and a draft model (the target itself: every draft is kept, so every check
+    verifies k + 1 tokens over the paged cache) on CUDA: the greedy tokens of the oracle prompts,
+    4 streams at a time, equal plain decoding on CUDA; drafts were made and kept. (The draft
+    model also takes fewer steps; prompt lookup keeps drafts for some prompts only, and a batch
+    of 4 takes as many steps as its slowest stream: 64 both ways on an H100.)"""
+    plain = Generator(*cuda_model, EngineOptions(device="cuda", kv_cache_mb=256))
+    spec = Generator(*cuda_model, EngineOptions(device="cuda", kv_cache_mb=256, speculative=mode),
+                     draft_model=cuda_model[0] if mode == "draft" else None)
+    try:
+        for gen in (plain, spec):
+            gen.results = []
+            for i in range(0, len(oracle_ids), 4):
+                out = gen.batch_generate(oracle_ids[i:i + 4], GREEDY)
+                assert not any(isinstance(r, Exception) for r in out), out
+                gen.results += [r.token_ids for r in out]
+        assert spec.results == plain.results
+        assert spec.engine.drafted_tokens > 0 and spec.engine.accepted_tokens > 0
+        if mode == "draft":
+            assert spec.engine.steps < plain.engine.steps
+    finally:
+        plain.close()
+        spec.close()
 
 
 # ---- the server --------------------------------------------------------------------------------

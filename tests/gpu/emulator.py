@@ -64,7 +64,7 @@ def emulated(emu_lib, monkeypatch):
         family(kernel, *(ctypes.c_uint(g) for g in grid), ctypes.c_uint(block[0]), *cargs)
 
     monkeypatch.setattr(ops, "_launch", launch)
-    monkeypatch.setattr(ops, "_cp", ops.raw)
+    monkeypatch.setattr(ops, "_ptr", ops.raw)
     monkeypatch.setattr(ops, "device_index", lambda t: 0)
     monkeypatch.setattr(ops, "_sm_count", lambda dev: 2)  # a small GPU: the heuristic splits
     return ops

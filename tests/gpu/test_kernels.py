@@ -328,3 +328,30 @@ def test_graph_replay_equals_eager(name):
     a = eager_step({**inp, "seq_lens": lens_eager[:2]})
     assert torch.equal(a, runner({**inp, "seq_lens": lens_graph[:2]}))
     assert torch.equal(lens_eager, lens_graph)
+
+
+def test_a_capture_survives_another_graph_being_collected():
+    """A captured graph left in a reference cycle (an engine closed after a failure, say) and
+    collected while another graph is captured destroyed its graph inside the capture, which
+    invalidated it (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED, first seen on an H100)."""
+    import gc
+
+    from kvgen.gpu.graphs import GraphRunner
+
+    def step(inp):
+        return inp["x"] * 2 + 1
+
+    old = GraphRunner(step)
+    old({"x": torch.ones(3, 4, device=DEV)})
+    assert old.captured == (4,)
+    cycle = [old]
+    cycle.append(cycle)  # only the collector frees it now
+    del old, cycle
+    saved = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at almost every allocation, so one falls inside the capture
+    try:
+        new = GraphRunner(step)
+        out = new({"x": torch.full((5, 4), 3.0, device=DEV)})
+    finally:
+        gc.set_threshold(*saved)
+    assert new.captured == (8,) and torch.equal(out, torch.full((5, 4), 7.0, device=DEV))

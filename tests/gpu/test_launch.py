@@ -47,7 +47,7 @@ def launches(monkeypatch):
     calls = []
     monkeypatch.setattr(ops, "device_index", lambda t: 0)
     monkeypatch.setattr(ops, "_sm_count", lambda dev: 132)
-    monkeypatch.setattr(ops, "_cp", lambda t: _Arr(ops.raw(t)))
+    monkeypatch.setattr(ops, "_ptr", lambda t: _Arr(ops.raw(t)))
     monkeypatch.setattr(ops, "_launch", lambda mod, fn, dev, grid, block, args:
                         calls.append((mod, fn, grid, block, args)))
     return calls
