@@ -4,7 +4,9 @@ Each variant rewrites #defines of kernels/flash_decode.cu (as ops.kernel_source 
 CuPy) and recompiles; bench/gpu.py's bench_case times it (CUDA-graph replay, next to torch SDPA
 on the same data) and checks it against an fp32 SDPA reference. Variants are separated by ';',
 each a comma list of NAME=VALUE #defines ("base": none), e.g. "base;KVG_FD_MAX_G=4"
-(ops.MAX_HEADS_PER_CTA follows KVG_FD_MAX_G).
+(ops.MAX_HEADS_PER_CTA follows KVG_FD_MAX_G), and src=DIR, which takes flash_decode.cu and
+common.cuh from DIR instead (another design with the same entry points, e.g. an earlier
+revision's: `git show REV:kvgen/gpu/kernels/flash_decode.cu > DIR/flash_decode.cu`).
 
     python bench/gpu_variants.py --variants "base;KVG_FD_MAX_G=4" [--cases fp16:16:8192,q4:16:32768]
 """
@@ -29,9 +31,17 @@ _SOURCE = ops.kernel_source
 
 
 def use_variant(defines: dict[str, str]) -> None:
-    """Compile flash_decode with these #define values from now on."""
+    """Compile flash_decode with these #define values (and sources, src=DIR) from now on."""
+    defines = dict(defines)
+    folder = defines.pop("src", None)
+
     def source(name: str) -> str:
-        text = _SOURCE(name)
+        if name == "flash_decode" and folder:
+            d = pathlib.Path(folder)
+            text = (d / "flash_decode.cu").read_text()
+            text = text.replace('#include "common.cuh"', (d / "common.cuh").read_text(), 1)
+        else:
+            text = _SOURCE(name)
         if name == "flash_decode":
             for key, value in defines.items():
                 text, n = re.subn(rf"#define {re.escape(key)}\b.*", f"#define {key} {value}", text, count=1)

@@ -32,6 +32,7 @@ static unsigned emu_cur;
 struct EmuBarrier { unsigned count = 0, gen = 0; };
 static EmuBarrier emu_block_bar, emu_warp_bar[32];
 static float emu_warp_vals[32][32];
+static int emu_warp_ints[32][32];
 
 static void emu_yield() { swapcontext(&emu_fibers[emu_cur].ctx, &emu_sched); }
 
@@ -52,6 +53,17 @@ inline float __shfl_xor_sync(unsigned, float v, int mask) {
   emu_wait(emu_warp_bar[warp], 32);  // every lane has read before anyone writes again
   return r;
 }
+
+inline int __shfl_sync(unsigned, int v, int src) {
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  emu_warp_ints[warp][lane] = v;
+  emu_wait(emu_warp_bar[warp], 32);
+  const int r = emu_warp_ints[warp][(unsigned)src & 31u];
+  emu_wait(emu_warp_bar[warp], 32);
+  return r;
+}
+
+inline void __syncwarp() { emu_wait(emu_warp_bar[threadIdx.x >> 5], 32); }
 
 static void (*emu_body)(void*);
 static void* emu_body_arg;
