@@ -40,6 +40,7 @@ bucketing is tested without a GPU).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -216,20 +217,19 @@ class GraphRunner:
         return entry
 
 
-class _no_collection:
+@contextlib.contextmanager
+def _no_collection():
     """Python's garbage collector held off for a capture. A collection inside the capture
     that destroys another CUDA graph (say, an engine's that was closed but sits in a
     reference cycle) calls cudaGraphExecDestroy, which invalidates the capture
     (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED: seen on an H100 in tests/engine/test_cuda_engine.py).
     torch.cuda.graph no longer collects on entry (torch.compiler.config.force_cudagraph_gc),
     so the cycles are collected here, before the capture starts."""
-
-    def __enter__(self):
-        gc.collect()
-        self._was = gc.isenabled()
-        gc.disable()
-
-    def __exit__(self, *exc):
-        if self._was:
+    gc.collect()
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
             gc.enable()
-
