@@ -4,9 +4,11 @@ Each variant rewrites #defines of kernels/flash_decode.cu (as ops.kernel_source 
 CuPy) and recompiles; bench/gpu.py's bench_case times it (CUDA-graph replay, next to torch SDPA
 on the same data) and checks it against an fp32 SDPA reference. Variants are separated by ';',
 each a comma list of NAME=VALUE #defines ("base": none), e.g. "base;KVG_FD_MAX_G=4"
-(ops.MAX_HEADS_PER_CTA follows KVG_FD_MAX_G), and src=DIR, which takes flash_decode.cu and
+(ops.MAX_HEADS_PER_CTA follows KVG_FD_MAX_G); src=DIR, which takes flash_decode.cu and
 common.cuh from DIR instead (another design with the same entry points, e.g. an earlier
-revision's: `git show REV:kvgen/gpu/kernels/flash_decode.cu > DIR/flash_decode.cu`).
+revision's: `git show REV:kvgen/gpu/kernels/flash_decode.cu > DIR/flash_decode.cu`); and
+ops.NAME=VALUE, which sets one of ops.py's integer constants (the split heuristic's
+CTAS_PER_SM, MIN_TOKENS_PER_SPLIT) for the variant.
 
     python bench/gpu_variants.py --variants "base;KVG_FD_MAX_G=4" [--cases fp16:16:8192,q4:16:32768]
 """
@@ -34,6 +36,8 @@ def use_variant(defines: dict[str, str]) -> None:
     """Compile flash_decode with these #define values (and sources, src=DIR) from now on."""
     defines = dict(defines)
     folder = defines.pop("src", None)
+    for name in [k for k in defines if k.startswith("ops.")]:
+        setattr(ops, name[4:], int(defines.pop(name)))
 
     def source(name: str) -> str:
         if name == "flash_decode" and folder:
@@ -67,7 +71,10 @@ def main(argv=None) -> int:
                                repeats=5, check=True)
     copy_bw = bench_gpu.copy_bandwidth()
     print(f"{torch.cuda.get_device_name(0)}: copy {copy_bw / 1e9:.0f} GB/s", flush=True)
+    defaults = {name: getattr(ops, name) for name in ("CTAS_PER_SM", "MIN_TOKENS_PER_SPLIT")}
     for variant in args.variants.split(";"):
+        for name, value in defaults.items():
+            setattr(ops, name, value)
         defines = dict(kv.split("=", 1) for kv in variant.split(",") if "=" in kv)
         use_variant(defines)
         for case in args.cases.split(","):
