@@ -41,7 +41,7 @@ MAX_HEAD_DIM = 256
 APPEND_THREADS = 128  # kv_append.cu KVG_APPEND_THREADS
 DECODE_THREADS = 128  # flash_decode.cu KVG_FD_THREADS
 MAX_HEADS_PER_CTA = 8  # flash_decode.cu KVG_FD_MAX_G
-# Resident flash-decode thread blocks per SM assumed by the split heuristic (108
+# Resident flash-decode thread blocks per SM assumed by the split heuristic (119
 # registers x 128 threads at head_dim 128 on sm_90 -> 4 per SM); a GPU profile may retune it.
 CTAS_PER_SM = 4
 MIN_TOKENS_PER_SPLIT = 128

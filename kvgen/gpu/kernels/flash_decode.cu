@@ -193,7 +193,7 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
   __shared__ float s_m[KVG_FD_WARPS][KVG_FD_MAX_G];
   __shared__ float s_l[KVG_FD_WARPS][KVG_FD_MAX_G];
   __shared__ float s_acc[KVG_FD_WARPS][KVG_FD_MAX_G][DPL * 32];
-  __shared__ float s_q[KVG_FD_MAX_G][DPL * 32];          // q * qk_scale, 0 past HD / ng
+  alignas(16) __shared__ float s_q[KVG_FD_MAX_G][DPL * 32];  // q * qk_scale, 0 past HD / ng
   __shared__ float s_p[KVG_FD_WARPS][KVG_FD_MAX_G][32];  // a tile's softmax weights
 
   const int split = blockIdx.x, b = blockIdx.z;
@@ -256,9 +256,14 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
           kvg_fd_load<FMT, 8>(a, id, 0, off, kvh, d, min(8, a.HD - d), x);
 #pragma unroll
           for (int g = 0; g < KVG_FD_MAX_G; ++g) {
-            if (g < ng) {
+            if (g < ng) {  // q's 8 dims in two 16-byte shared loads (one per element before)
+              u32 qa[4], qb[4];
+              kvg_fd_bits<16>(&s_q[g][d], qa);
+              kvg_fd_bits<16>(&s_q[g][d + 4], qb);
 #pragma unroll
-              for (int i = 0; i < 8; ++i) s[g] += s_q[g][d + i] * x[i];
+              for (int i = 0; i < 4; ++i) s[g] += kvg_u2f(qa[i]) * x[i];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) s[g] += kvg_u2f(qb[i]) * x[4 + i];
             }
           }
         }
