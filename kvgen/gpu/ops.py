@@ -103,8 +103,7 @@ def _ptr(t: torch.Tensor) -> np.uint64:
     """A pointer parameter: the tensor's device address. CuPy passes a numpy scalar's bytes as
     they are, so a uint64 is a pointer argument; a CuPy array made per argument (through
     __cuda_array_interface__) cost ~15 us each, ~200 us of host time per flash_decode call."""
-    if t.device.type != "cuda":
-        raise ValueError(f"expected a CUDA tensor, got one on {t.device}")
+    device_index(t)  # raises for a tensor not on a CUDA device
     return np.uint64(raw(t).data_ptr())
 
 
