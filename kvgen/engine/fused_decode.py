@@ -20,9 +20,9 @@ import math
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
-from kvgen.engine import cpu_kernels, fused_attention
+from kvgen.engine import cpu_kernels, fused_attention, key_lanes, plain_attention
 from kvgen.engine.blocks import GROUP, BlockLinear
 
 
@@ -62,101 +62,9 @@ def _rope(x, head, cos, sin):  # pragma: no cover - compiled
         x[base + 2 * i + 1] = a * sin[i] + b * cos[i]
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def _attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out):  # pragma: no cover
-    """out[r, h] = softmax(q_rh K^T / sqrt(D)) V over row r's cached positions 0..positions[r].
-
-    The (row, head) tasks are cut in one run of consecutive tasks per thread, whose scratch is
-    allocated once; the runs hold equal numbers of keys, not of tasks, since a prompt chunk's
-    later rows see more keys (cut by tasks, the second of two threads got three quarters of a
-    512-token chunk: 12.7 -> 7.8 ms a layer). Neither the cut nor the other rows change a
-    task's arithmetic: a row's output is the same in any step. (Tasks of a KV head's whole
-    query group, reading each key once for the group, were 11% faster at 512 rows and 15%
-    slower at one: three tasks on two threads.)"""
-    group = heads // kv_heads
-    block = kv.shape[3]
-    scale = np.float32(1.0 / math.sqrt(head_dim))
-    tasks = q.shape[0] * heads
-    keys = np.empty(tasks + 1, np.int64)  # keys[i]: keys read by tasks before task i
-    keys[0] = 0
-    longest = 0
-    for rh in range(tasks):
-        keys[rh + 1] = keys[rh] + positions[rh // heads] + 1
-        longest = max(longest, positions[rh // heads] + 1)
-    parts = min(tasks, cpu_kernels.PARTS)
-    cuts = np.empty(parts + 1, np.int64)
-    for part in range(parts):
-        cuts[part] = np.searchsorted(keys, keys[tasks] * part // parts)
-    cuts[parts] = tasks
-    for part in prange(parts):
-        scores, room = np.empty(longest, np.float32), np.empty(longest, np.float32)
-        acc = np.empty(head_dim, np.float32)
-        for rh in range(cuts[part], cuts[part + 1]):
-            r, h = rh // heads, rh % heads
-            kh, n_keys, table = h // group, positions[r] + 1, tables[r]
-            qh = q[r, h * head_dim:(h + 1) * head_dim]
-            top = np.float32(-np.inf)
-            # 1-D views of each key and value row: with every index but the innermost fixed,
-            # LLVM vectorizes the loops over head_dim (six-index element reads ran ~5x slower).
-            # Keys are walked block by block: a position's block and offset by p // block and
-            # p % block were two integer divisions a key (30 layers at 304 keys: 1.3-1.7 ms
-            # with them, 1.0 without). Four keys go at a time, in both passes: four
-            # independent dot products, and acc read and written once for four values (one
-            # value at a time, each key waited on the last one's store to acc: 12 -> 13%
-            # faster at 9 rows and at 64, the same at one).
-            for j in range((n_keys + block - 1) // block):
-                blk, p0 = table[j], j * block
-                keys, n, t = kv[blk, layer, 0], min(block, n_keys - p0), 0
-                while t + 4 <= n:
-                    k0, k1, k2, k3 = keys[t, kh], keys[t + 1, kh], keys[t + 2, kh], keys[t + 3, kh]
-                    s0 = s1 = s2 = s3 = np.float32(0)
-                    for i in range(head_dim):
-                        s0 += qh[i] * k0[i]
-                        s1 += qh[i] * k1[i]
-                        s2 += qh[i] * k2[i]
-                        s3 += qh[i] * k3[i]
-                    s0 *= scale
-                    s1 *= scale
-                    s2 *= scale
-                    s3 *= scale
-                    scores[p0 + t] = s0
-                    scores[p0 + t + 1] = s1
-                    scores[p0 + t + 2] = s2
-                    scores[p0 + t + 3] = s3
-                    top = max(top, max(max(s0, s1), max(s2, s3)))
-                    t += 4
-                while t < n:
-                    key = keys[t, kh]
-                    s = np.float32(0)
-                    for i in range(head_dim):
-                        s += qh[i] * key[i]
-                    s *= scale
-                    scores[p0 + t] = s
-                    top = max(top, s)
-                    t += 1
-            inv = np.float32(1) / fused_attention.exp_shifted(scores, n_keys, top, room)
-            acc[:] = 0
-            for j in range((n_keys + block - 1) // block):
-                blk, p0 = table[j], j * block
-                values, n, t = kv[blk, layer, 1], min(block, n_keys - p0), 0
-                while t + 4 <= n:
-                    v0, v1, v2, v3 = values[t, kh], values[t + 1, kh], values[t + 2, kh], values[t + 3, kh]
-                    w0, w1 = scores[p0 + t] * inv, scores[p0 + t + 1] * inv
-                    w2, w3 = scores[p0 + t + 2] * inv, scores[p0 + t + 3] * inv
-                    for i in range(head_dim):
-                        acc[i] += (w0 * v0[i] + w1 * v1[i]) + (w2 * v2[i] + w3 * v3[i])
-                    t += 4
-                while t < n:
-                    value, wgt = values[t, kh], scores[p0 + t] * inv
-                    for i in range(head_dim):
-                        acc[i] += wgt * value[i]
-                    t += 1
-            out[r, h * head_dim:(h + 1) * head_dim] = acc
-
-
 @njit(cache=True, nogil=True)
-def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gate_up, down, head, head_q4,
-          cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover - compiled
+def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, norm, qkv, o, gate_up, down, head,
+          head_q4, cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
     rows, hidden = tokens.shape[0], embed.shape[1]
     h = np.empty((rows, hidden), np.float32)
     for r in range(rows):
@@ -173,6 +81,9 @@ def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gat
     room_exp = np.empty(inter, np.float32)
     block = kv.shape[3]
     nq, nk = heads * head_dim, kv_heads * head_dim
+    plain = kvq[fused_attention.KIND] == fused_attention.PLAIN
+    if plain:
+        plan, partial = plain_attention.plan(positions, kv_heads, heads // kv_heads, head_dim)
     for layer in range(ln1.shape[0]):
         for r in range(rows):
             _rms_norm(h[r], ln1[layer], eps, x[r])
@@ -193,8 +104,11 @@ def _step(tokens, positions, tables, kv, kvq, embed, ln1, ln2, norm, qkv, o, gat
                 for i in range(head_dim):
                     kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
                     kv[b, layer, 1, off, kh, i] = q[nq + nk + kh * head_dim + i]
-        if kvq[fused_attention.KIND] == fused_attention.PLAIN:
-            _attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att)
+        if plain:
+            if kt.shape[0]:
+                key_lanes.transpose_blocks(kv, layer, blocks, kt)
+            plain_attention.attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att, plan, partial,
+                                   slot, kt)
         else:
             fused_attention.attend(qkv_out, kvq, layer, tables, positions, heads, kv_heads, head_dim, block, att)
         cpu_kernels.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
@@ -235,12 +149,13 @@ class _PLAIN:  # what cache_tuple needs to know of the plain fp32 format
     name, recent_slots, qk_scale = "fp32", 0, None
 
 
-def _supports_kv(fmt) -> bool:
+def _supports_kv(fmt, head_dim: int) -> bool:
     """fp32 (nothing held exact, no key equalisation), or fp8 / q4 (fused_attention.py), with or
     without ExactTail and key equalisation, computing in fp32."""
     name = getattr(fmt, "name", "")
-    if name == "fp32":
-        return not fmt.recent_slots and fmt.qk_scale is None
+    if name == "fp32":  # key_lanes.py: whole tiles of keys a block, whole vectors a head
+        return (not fmt.recent_slots and fmt.qk_scale is None and fmt.block_size % key_lanes.TILE == 0
+                and head_dim % key_lanes.LANES == 0)
     return (name in ("fp8", "q4") and fmt.compute_dtype == torch.float32
             and (fmt.qk_scale is None or fmt.qk_scale.dtype == torch.float32))
 
@@ -255,7 +170,7 @@ class FusedDecode:
         return (model.device.type == "cpu" and model.weight_dtype == "gguf"
                 and all(isinstance(lin, BlockLinear) and lin.kind == "q4" and lin.b is None for lin in lins)
                 and isinstance(model.lm_head, BlockLinear) and model.lm_head.b is None
-                and _supports_kv(fmt)
+                and _supports_kv(fmt, model.cfg.head_dim)
                 and model.cfg.hidden_size % GROUP == 0 and model.cfg.intermediate_size % GROUP == 0)
 
     def __init__(self, model):
@@ -278,6 +193,7 @@ class FusedDecode:
         self.padded_vocab = head.d.shape[0] * head.d.shape[-1]
         self._plain = fused_attention.cache_tuple(_PLAIN, {})
         self._no_features = np.empty((0, cfg.hidden_size), np.float32)  # what a step without features passes
+        self._no_blocks = np.empty(0, np.int64), np.empty(0, np.int64)  # nor blocks to transpose
         self.cos = np.ascontiguousarray(model.rot.real.numpy())
         self.sin = np.ascontiguousarray(model.rot.imag.numpy())
 
@@ -297,7 +213,16 @@ class FusedDecode:
         fp8[fused_attention.KIND] = fused_attention.FP8
         fp8[fused_attention.CODES] = np.zeros(kv.shape, np.uint8)
         fp8[fused_attention.SCALE] = np.ones(kv.shape[:3] + kv.shape[4:5], np.float32)
-        _attend(q, kv.numpy(), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, out)
+        kt = np.zeros((1, cfg.num_kv_heads, cfg.head_dim, 16), np.float32)
+        key_lanes.transpose_blocks(kv.numpy(), 0, np.zeros(1, np.int64), kt)
+        group = cfg.num_heads // cfg.num_kv_heads
+        parts = (np.zeros((1, group, cfg.head_dim), np.float32), np.zeros((1, group), np.float32),
+                 np.ones((1, group), np.float32))
+        # attend's parallel callee first
+        plain_attention.merge(*parts, np.zeros(2, np.int64), positions, cfg.num_heads, cfg.num_kv_heads, out)
+        plain_attention.attend(q, kv.numpy(), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, out,
+                               *plain_attention.plan(positions, cfg.num_kv_heads, group, cfg.head_dim),
+                               np.zeros(1, np.int64), kt)
         fused_attention.attend(q, tuple(fp8), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                16, out)
         self([(0, 0, [0]), (0, 1, [0])], {"kv": kv})
@@ -331,7 +256,14 @@ class FusedDecode:
         if need.size and not (0 <= need.min() and need.max() < len(rows)):
             raise IndexError(f"logits asked for rows {need.tolist()} of {len(rows)}")
         logits = np.empty((len(need), self.padded_vocab), np.float32)
-        _step(tokens, positions, tables, kv, kvq, self.embed, self.ln1, self.ln2,
+        # a prompt chunk's or a draft's rows read their blocks again and again: transposed once a
+        # layer for all of them (key_lanes.py); a decode row reads each of its blocks once
+        blocks, slot = self._no_blocks
+        kt = np.empty((0, cfg.num_kv_heads, cfg.head_dim, 1), np.float32)
+        if kvq is self._plain and any(a[2] == b[2] for a, b in zip(rows, rows[1:], strict=False)):
+            blocks, slot = plain_attention.blocks_read(tables, positions, kv.shape[3], kv.shape[0])
+            kt = np.empty((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]), np.float32)
+        _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, self.embed, self.ln1, self.ln2,
               self.norm, self.qkv, self.o, self.gate_up, self.down, self.head, self.head_q4, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
               need, logits, self._no_features if features is None else features)

@@ -1,0 +1,198 @@
+"""FusedDecode's attention over plain fp32 KV: a step's rows, each over its own cached positions.
+
+A task is one row, one run of SPLIT keys and the query heads of one KV head, or one of those
+heads (plan says when); the threads take runs of tasks holding equal numbers of keys, and a row
+of several runs merges their partial softmaxes in order (FlashDecoding with a fixed split: a
+row's sums do not depend on the batch, and one row of 1k keys still keeps both cores busy).
+The scores and weighted values are key_lanes.py's kernels. Every head's arithmetic is the same
+whatever else its task or step holds, so a row's output is the same bits in any step: a prompt
+token's K/V and logits are those of the same token decoded alone (the batch invariance and
+the prefix cache's exactness rest on that).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from kvgen.engine import cpu_kernels, fused_attention, key_lanes
+
+# Keys per attention task: a row's keys go in runs of SPLIT (a multiple of key_lanes.TILE), whose
+# partial softmaxes are merged in order. Fixed, not cut to the batch: a row's sums are then the
+# same in every step, and one row with 1k keys still keeps both cores busy.
+SPLIT = 256
+# Fewer (key, query head) pairs than this in a step are attended on the calling thread alone.
+SERIAL_BELOW = 1024
+# From this many (row, run of keys, KV head) triples in a step, a task holds a KV head's whole group.
+GROUP_TASKS_FROM = 4 * cpu_kernels.PARTS
+
+
+@njit(cache=True, nogil=True)
+def blocks_read(tables, positions, block, pool):  # pragma: no cover - compiled
+    """The distinct blocks the rows read, in order of first read, and each block's index in that
+    list (-1 where unread): what key_lanes.transpose_blocks copies for a step whose rows read the
+    same blocks again and again (a prompt chunk, a draft)."""
+    slot = np.full(pool, -1, np.int64)
+    order = np.empty(pool, np.int64)
+    n = 0
+    for r in range(tables.shape[0]):
+        for j in range(positions[r] // block + 1):
+            b = tables[r, j]
+            if slot[b] < 0:
+                slot[b] = n
+                order[n] = b
+                n += 1
+    return order[:n].copy(), slot
+
+
+@njit(cache=True, nogil=True)
+def plan(positions, kv_heads, group, head_dim):  # pragma: no cover - compiled
+    """A step's attention tasks, the same at every layer. A task is a row's run of SPLIT keys and
+    `per` query heads of one KV head: the whole group where there are tasks enough for the
+    threads (a tile of keys is then read from memory once for the group; a 512-token prompt
+    chunk's attention took twice as long with a task a head), else one (a row of 150 keys is
+    three group tasks on two threads: 18 -> 27 us a layer against the per-head kernel before
+    this one, 18 -> 22 with a task a head). Returns (each row's first task, each task's row, the
+    threads' runs of tasks) and the tasks' partial outputs, maxes and sums ([tasks, per, ...]).
+    The runs hold equal numbers of keys, not of tasks: a prompt chunk's later rows see more keys."""
+    rows = positions.shape[0]
+    runs = 0
+    for r in range(rows):
+        runs += positions[r] // SPLIT + 1
+    per = group if runs * kv_heads >= GROUP_TASKS_FROM else 1
+    wide = kv_heads * group // per  # tasks a run
+    first = np.empty(rows + 1, np.int64)
+    first[0] = 0
+    for r in range(rows):
+        first[r + 1] = first[r] + (positions[r] // SPLIT + 1) * wide
+    tasks = first[rows]
+    task_row = np.empty(tasks, np.int64)
+    keys = np.empty(tasks + 1, np.int64)  # keys[i]: keys read by tasks before task i
+    keys[0] = 0
+    for r in range(rows):
+        for i in range(first[r], first[r + 1]):
+            task_row[i] = r
+            keys[i + 1] = keys[i] + min(SPLIT, positions[r] + 1 - (i - first[r]) // wide * SPLIT)
+    parts = min(tasks, cpu_kernels.PARTS) if keys[tasks] * group >= SERIAL_BELOW else 1
+    cuts = np.empty(parts + 1, np.int64)
+    for part in range(parts):
+        cuts[part] = np.searchsorted(keys, keys[tasks] * part // parts)
+    cuts[parts] = tasks
+    partial = (np.empty((tasks, per, head_dim), np.float32), np.empty((tasks, per), np.float32),
+               np.empty((tasks, per), np.float32))
+    return (first, task_row, cuts), partial
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _top(s, n):  # pragma: no cover - compiled
+    """max(s[:n]) (fastmath: the loop vectorizes; a max is exact in any order)."""
+    top = np.float32(-np.inf)
+    for p in range(n):
+        top = max(top, s[p])
+    return top
+
+
+# No fastmath here: Numba would put its flags on key_lanes' additions, which LLVM could then
+# reorder, differently where the same kernel is inlined twice (its rows and transposed variants
+# gave different bits that way).
+@njit(parallel=True, cache=True, nogil=True)
+def attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out, tasks, partial, slot,
+           kt):  # pragma: no cover - compiled
+    """out[r, h] = softmax(q_rh K^T / sqrt(D)) V over row r's cached positions 0..positions[r], for
+    the tasks of plan(positions, ...) (the module's docstring), with keys from kt (their
+    transposed copy, key_lanes.transpose_blocks, where kt is not empty: slot maps a block to its
+    place there) or from the cache. A step of few keys runs on this thread alone (waking the
+    other costs more than it saves)."""
+    first, task_row, cuts = tasks
+    parts = cuts.shape[0] - 1
+    if parts == 1:
+        _run(0, cuts[1], q, kv, layer, tables, positions, heads, kv_heads, head_dim, out, first, task_row, partial,
+             slot, kt)
+    else:
+        for part in prange(parts):
+            _run(cuts[part], cuts[part + 1], q, kv, layer, tables, positions, heads, kv_heads, head_dim, out, first,
+                 task_row, partial, slot, kt)
+    if positions.shape[0] and positions.max() >= SPLIT:
+        merge(partial[0], partial[1], partial[2], first, positions, heads, kv_heads, out)
+
+
+@njit(cache=True, nogil=True)
+def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out, first, task_row, partial, slot,
+         kt):  # pragma: no cover - compiled
+    """attend's tasks lo .. hi - 1 (no fastmath, as _attend)."""
+    group = heads // kv_heads
+    block, hd = kv.shape[3], head_dim
+    scale = np.float32(1.0 / math.sqrt(head_dim))
+    transposed = kt.shape[0] > 0
+    part_acc, part_top, part_sum = partial
+    per = part_acc.shape[1]  # heads a task
+    kvf, ktf, qf, accf = kv.reshape(-1), kt.reshape(-1), q.reshape(-1), part_acc.reshape(-1)
+    per_block, per_layer, per_key = kv[0].size, kv[0, 0].size, kv_heads * hd
+    scores, room = np.empty((per, SPLIT), np.float32), np.empty(SPLIT, np.float32)
+    sf = scores.reshape(-1)
+    for task in range(lo, hi):
+        r = task_row[task]
+        i = task - first[r]
+        run, h0 = i // (heads // per), i % (heads // per) * per  # h0: the task's first head
+        kh = h0 // group
+        p0, table = run * SPLIT, tables[r]
+        n_keys = min(SPLIT, positions[r] + 1 - p0)
+        for t in range(0, n_keys, key_lanes.TILE):  # the task's heads in turn: the tile stays in L1
+            b, off = table[(p0 + t) // block], (p0 + t) % block
+            for g in range(per):
+                qbase = r * q.shape[1] + (h0 + g) * hd
+                if transposed:
+                    key_lanes.scores_transposed(ktf, (slot[b] * kv_heads + kh) * hd * block + off, block, qf, qbase,
+                                                hd, scale, sf, g * SPLIT + t)
+                else:
+                    key_lanes.scores_rows(kvf, b * per_block + layer * per_layer + off * per_key + kh * hd, per_key,
+                                          qf, qbase, hd, scale, sf, g * SPLIT + t)
+        for g in range(per):
+            top = _top(scores[g], n_keys)
+            part_top[task, g] = top
+            part_sum[task, g] = fused_attention.exp_shifted(scores[g], n_keys, top, room)
+        part_acc[task] = 0
+        t = 0
+        while t < n_keys:  # the values, a block's run at a time
+            b, off = table[(p0 + t) // block], (p0 + t) % block
+            n_vals = min(block - off, n_keys - t)
+            for g0 in range(0, per, key_lanes.MAX_HEADS):
+                key_lanes.values(min(key_lanes.MAX_HEADS, per - g0), kvf,
+                                 b * per_block + layer * per_layer + per_layer // 2 + off * per_key + kh * hd,
+                                 per_key, n_vals, sf, g0 * SPLIT + t, SPLIT, hd, accf, (task * per + g0) * hd)
+            t += n_vals
+        if positions[r] < SPLIT:  # the row's only run: its output
+            for g in range(per):
+                inv = np.float32(1) / part_sum[task, g]
+                for d in range(hd):
+                    out[r, (h0 + g) * hd + d] = part_acc[task, g, d] * inv
+
+
+@njit(parallel=True, fastmath=True, cache=True, nogil=True)
+def merge(part_acc, part_top, part_sum, first, positions, heads, kv_heads, out):  # pragma: no cover
+    """The output of every row of several runs: their partial softmaxes rescaled to the largest
+    max and added in order of position."""
+    per, hd = part_acc.shape[1], part_acc.shape[2]
+    for rh in prange(positions.shape[0] * heads):
+        r, h = rh // heads, rh % heads
+        runs = positions[r] // SPLIT + 1
+        if runs == 1:
+            continue
+        at, g = first[r] + h // per, h % per  # the task of run 0 that holds head h, and its place there
+        top = np.float32(-np.inf)
+        for run in range(runs):
+            top = max(top, part_top[at + run * (heads // per), g])
+        total = np.float32(0)
+        o = out[r, h * hd:(h + 1) * hd]
+        o[:] = 0
+        for run in range(runs):
+            t = at + run * (heads // per)
+            f = np.float32(math.exp(part_top[t, g] - top))
+            total += part_sum[t, g] * f
+            for d in range(hd):
+                o[d] += part_acc[t, g, d] * f
+        inv = np.float32(1) / total
+        for d in range(hd):
+            o[d] *= inv
