@@ -85,15 +85,6 @@ def plan(positions, kv_heads, group, head_dim):  # pragma: no cover - compiled
     return (first, task_row, cuts), partial
 
 
-@njit(fastmath=True, cache=True, nogil=True)
-def _top(s, n):  # pragma: no cover - compiled
-    """max(s[:n]) (fastmath: the loop vectorizes; a max is exact in any order)."""
-    top = np.float32(-np.inf)
-    for p in range(n):
-        top = max(top, s[p])
-    return top
-
-
 # No fastmath here: Numba would put its flags on key_lanes' additions, which LLVM could then
 # reorder, differently where the same kernel is inlined twice (its rows and transposed variants
 # gave different bits that way).
@@ -150,7 +141,7 @@ def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out
                     key_lanes.scores_rows(kvf, b * per_block + layer * per_layer + off * per_key + kh * hd, per_key,
                                           qf, qbase, hd, scale, sf, g * SPLIT + t)
         for g in range(per):
-            top = _top(scores[g], n_keys)
+            top = fused_attention.largest(scores[g], n_keys)
             part_top[task, g] = top
             part_sum[task, g] = fused_attention.exp_shifted(scores[g], n_keys, top, room)
         part_acc[task] = 0
