@@ -114,7 +114,7 @@ def _transpose_tile(typingctx, src, sbase, sstride, hd, dst, dbase, dstride):
 
 def _tree(builder, parts):
     """parts[0] + ... + parts[LANES - 1], added pairwise: parts l and l + LANES / 2 first, then l
-    and l + LANES / 4 of those sums, and so on (the order both _scores variants keep)."""
+    and l + LANES / 4 of those sums, and so on (the order of both _scores variants)."""
     parts = list(parts)
     while len(parts) > 1:
         half = len(parts) // 2
@@ -145,11 +145,15 @@ def _tree_across(builder, vecs):
     return builder.shuffle_vector(vecs[0], vecs[0], _lanes(_I32, order))
 
 
-def _scores_rows():
-    """An intrinsic: out[obase + t] = scale sum_d q[qbase + d] k[kbase + t kstride + d] for the TILE
-    keys t of a tile, the keys being the cache's rows. The sum over d: for each lane l < LANES,
-    the dimensions c LANES + l in order of c (a chain of multiply-adds, the lanes of one vector a
-    key), then the LANES chains added by _tree_across."""
+def _scores(transposed: bool):
+    """An intrinsic: out[obase + t] = scale sum_d q[qbase + d] key_t[d] for the TILE keys t of a tile.
+    The sum over d: for each lane l < LANES, the dimensions c LANES + l in order of c (a chain of
+    multiply-adds), then the LANES chains added pairwise, l with l + LANES / 2 first.
+    transposed: key_t[d] = k[kbase + d kstride + t] (transpose_blocks' copy): a chain is a vector
+    over keys, and _tree adds the chains as vectors. Else key_t[d] = k[kbase + t kstride + d] (the
+    cache's rows): a key's chains are the lanes of one vector, and _tree_across adds across them.
+    The same roundings in the same order: a key's score is the same bits either way. (Chains of
+    several heads at once, sharing each load of the copy, were slower: they left the registers.)"""
     names = ("k", "kbase", "kstride", "q", "qbase", "hd", "scale", "out", "obase")
 
     @intrinsic
@@ -159,54 +163,32 @@ def _scores_rows():
         def codegen(context, builder, signature, args):
             a = _data(context, builder, signature, args, names)
             at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
-            # zeros to start: fma(x, y, 0) rounds x y once, as a multiply would
-            chains = [cgutils.alloca_once_value(builder, ir.Constant(_V, None)) for _ in range(TILE)]
-            with cgutils.for_range(builder, builder.udiv(a["hd"], _int(LANES))) as loop:
-                d0 = builder.mul(loop.index, _int(LANES))
-                qv = builder.load(_vec(builder, at(a["q"], a["qbase"], d0)), align=4)
-                for t in range(TILE):
-                    kt = builder.load(_vec(builder, at(a["k"], a["kbase"], builder.mul(a["kstride"], _int(t)), d0)),
-                                      align=4)
-                    builder.store(_madd(builder, qv, kt, builder.load(chains[t])), chains[t])
-            s = _splat(builder, a["scale"])
-            for v in range(VECS):
-                total = _tree_across(builder, [builder.load(c) for c in chains[v * LANES:(v + 1) * LANES]])
-                builder.store(builder.fmul(total, s), _vec(builder, at(a["out"], a["obase"], _int(v * LANES))), align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    return scores
-
-
-def _scores_transposed():
-    """The same as _scores_rows, from transpose_blocks' copy: out[obase + t] = scale sum_d
-    q[qbase + d] k[kbase + d kstride + t]. Chain l (dimensions c LANES + l in order of c) is a
-    vector over the keys here, and _tree adds the chains as vectors: the same roundings in the
-    same order, so a key's score is the same bits either way. (Chains of several heads at once,
-    sharing each load of the copy, were slower: a chain at a time to keep them in registers.)"""
-    names = ("k", "kbase", "kstride", "q", "qbase", "hd", "scale", "out", "obase")
-
-    @intrinsic
-    def scores(typingctx, k, kbase, kstride, q, qbase, hd, scale, out, obase):
-        sig = types.void(k, kbase, kstride, q, qbase, hd, scale, out, obase)
-
-        def codegen(context, builder, signature, args):
-            a = _data(context, builder, signature, args, names)
-            at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
+            # chains[v][l]: chain l of the keys of vector v (transposed), or the chains of key
+            # v LANES + l (rows); zeros to start: fma(x, y, 0) rounds x y once, as a multiply would
             chains = [[cgutils.alloca_once_value(builder, ir.Constant(_V, None)) for _ in range(LANES)]
                       for _ in range(VECS)]
             with cgutils.for_range(builder, builder.udiv(a["hd"], _int(LANES))) as loop:
-                for l in range(LANES):
-                    d = builder.add(builder.mul(loop.index, _int(LANES)), _int(l))
-                    ql = _splat(builder, builder.load(at(a["q"], a["qbase"], d)))
+                d0 = builder.mul(loop.index, _int(LANES))
+                if transposed:
+                    for lane in range(LANES):
+                        d = builder.add(d0, _int(lane))
+                        ql = _splat(builder, builder.load(at(a["q"], a["qbase"], d)))
+                        for v in range(VECS):
+                            kd = at(a["k"], a["kbase"], builder.mul(d, a["kstride"]), _int(v * LANES))
+                            chain = chains[v][lane]
+                            builder.store(_madd(builder, ql, builder.load(_vec(builder, kd), align=4),
+                                                builder.load(chain)), chain)
+                else:
+                    qv = builder.load(_vec(builder, at(a["q"], a["qbase"], d0)), align=4)
                     for v in range(VECS):
-                        kd = builder.load(_vec(builder, at(a["k"], a["kbase"], builder.mul(d, a["kstride"]),
-                                                           _int(v * LANES))), align=4)
-                        builder.store(_madd(builder, ql, kd, builder.load(chains[v][l])), chains[v][l])
+                        for t in range(LANES):
+                            kt = at(a["k"], a["kbase"], builder.mul(a["kstride"], _int(v * LANES + t)), d0)
+                            chain = chains[v][t]
+                            builder.store(_madd(builder, qv, builder.load(_vec(builder, kt), align=4),
+                                                builder.load(chain)), chain)
             s = _splat(builder, a["scale"])
             for v in range(VECS):
-                total = _tree(builder, [builder.load(c) for c in chains[v]])
+                total = (_tree if transposed else _tree_across)(builder, [builder.load(c) for c in chains[v]])
                 builder.store(builder.fmul(total, s), _vec(builder, at(a["out"], a["obase"], _int(v * LANES))), align=4)
             return context.get_dummy_value()
 
@@ -263,7 +245,7 @@ def _values(heads: int):
     return values
 
 
-scores_rows, scores_transposed = _scores_rows(), _scores_transposed()
+scores_rows, scores_transposed = _scores(False), _scores(True)
 _v1, _v2, _v3, _v4 = (_values(n) for n in range(1, MAX_HEADS + 1))
 
 
