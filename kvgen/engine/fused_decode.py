@@ -136,6 +136,30 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
         cpu_kernels.q8_linear(x, head[0], head[1], logits, room)
 
 
+# Rows of one sequence in a step from which its blocks are transposed once a layer for them all
+# (plain_attention.py) rather than read as rows by each: a draft's 5 or 9 rows took as long
+# either way, a prompt chunk's 64 rows 10% less attention transposed.
+TRANSPOSE_FROM = 16
+
+
+def _aligned(shape) -> np.ndarray:
+    """An empty float32 array whose data starts on a 64-byte line (numpy's own start 16 bytes into
+    one: every 64-byte vector load of key_lanes' transposed copy then spanned two lines)."""
+    n = int(np.prod(shape))
+    buf = np.empty(n + 16, np.float32)
+    at = (-buf.ctypes.data % 64) // 4
+    return buf[at:at + n].reshape(shape)
+
+
+def _longest_run(rows) -> int:
+    """The most consecutive rows with the same block table (one sequence's prompt chunk or draft)."""
+    best = run = 1
+    for a, b in zip(rows, rows[1:], strict=False):
+        run = run + 1 if a[2] == b[2] else 1
+        best = max(best, run)
+    return best
+
+
 def _stack(linears: list[BlockLinear]) -> tuple:
     """(qs, d, m) of every layer's linear, stacked along a new first axis. Each linear then reads
     its own slice of the stack (a view), so the blocks are held once, not twice."""
@@ -256,13 +280,13 @@ class FusedDecode:
         if need.size and not (0 <= need.min() and need.max() < len(rows)):
             raise IndexError(f"logits asked for rows {need.tolist()} of {len(rows)}")
         logits = np.empty((len(need), self.padded_vocab), np.float32)
-        # a prompt chunk's or a draft's rows read their blocks again and again: transposed once a
-        # layer for all of them (key_lanes.py); a decode row reads each of its blocks once
+        # a prompt chunk's rows read their blocks again and again: transposed once a layer for all
+        # of them (key_lanes.py); a decode row reads each of its blocks once
         blocks, slot = self._no_blocks
         kt = np.empty((0, cfg.num_kv_heads, cfg.head_dim, 1), np.float32)
-        if kvq is self._plain and any(a[2] == b[2] for a, b in zip(rows, rows[1:], strict=False)):
+        if kvq is self._plain and _longest_run(rows) >= TRANSPOSE_FROM:
             blocks, slot = plain_attention.blocks_read(tables, positions, kv.shape[3], kv.shape[0])
-            kt = np.empty((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]), np.float32)
+            kt = _aligned((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]))
         _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, self.embed, self.ln1, self.ln2,
               self.norm, self.qkv, self.o, self.gate_up, self.down, self.head, self.head_q4, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
