@@ -117,10 +117,24 @@ def _pair(builder, x, index):
     return builder.bitcast(builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES)), _WORDS)
 
 
+def _broadcast(builder, x):
+    """The float x in every lane."""
+    v = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES))
+
+
 def _splat(builder, ptr):
     """The float at ptr in every lane."""
-    v = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), builder.load(ptr), ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES))
+    return _broadcast(builder, builder.load(ptr))
+
+
+def _arguments(context, builder, signature, args, names):
+    """An intrinsic's arguments by name, arrays as their data pointers."""
+    a = dict(zip(names, args, strict=True))
+    for i, name in enumerate(names):
+        if isinstance(signature.args[i], types.Array):
+            a[name] = context.make_array(signature.args[i])(context, builder, args[i]).data
+    return a
 
 
 def _tile_linear(kind: str, rows: int):
@@ -140,10 +154,7 @@ def _tile_linear(kind: str, rows: int):
         sig = types.void(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
 
         def codegen(context, builder, signature, args):
-            a = dict(zip(names, args, strict=True))
-            for i, name in enumerate(names):  # arrays -> their data pointers
-                if isinstance(signature.args[i], types.Array):
-                    a[name] = context.make_array(signature.args[i])(context, builder, args[i]).data
+            a = _arguments(context, builder, signature, args, names)
             at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
             for cg in range(TILE // LANES):  # a vector of sums (LANES weight rows) at a time
                 total = [cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(rows)]

@@ -217,7 +217,9 @@ class FusedDecode:
         self.padded_vocab = head.d.shape[0] * head.d.shape[-1]
         self._plain = fused_attention.cache_tuple(_PLAIN, {})
         self._no_features = np.empty((0, cfg.hidden_size), np.float32)  # what a step without features passes
-        self._no_blocks = np.empty(0, np.int64), np.empty(0, np.int64)  # nor blocks to transpose
+        # nor blocks to transpose (their list, their places in it, their transposed copy)
+        self._no_blocks = (np.empty(0, np.int64), np.empty(0, np.int64),
+                           np.empty((0, cfg.num_kv_heads, cfg.head_dim, 1), np.float32))
         self.cos = np.ascontiguousarray(model.rot.real.numpy())
         self.sin = np.ascontiguousarray(model.rot.imag.numpy())
 
@@ -243,7 +245,7 @@ class FusedDecode:
         parts = (np.zeros((1, group, cfg.head_dim), np.float32), np.zeros((1, group), np.float32),
                  np.ones((1, group), np.float32))
         # attend's parallel callee first
-        plain_attention.merge(*parts, np.zeros(2, np.int64), positions, cfg.num_heads, cfg.num_kv_heads, out)
+        plain_attention.merge(*parts, np.zeros(2, np.int64), positions, cfg.num_heads, out)
         plain_attention.attend(q, kv.numpy(), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, out,
                                *plain_attention.plan(positions, cfg.num_kv_heads, group, cfg.head_dim),
                                np.zeros(1, np.int64), kt)
@@ -282,8 +284,7 @@ class FusedDecode:
         logits = np.empty((len(need), self.padded_vocab), np.float32)
         # a prompt chunk's rows read their blocks again and again: transposed once a layer for all
         # of them (key_lanes.py); a decode row reads each of its blocks once
-        blocks, slot = self._no_blocks
-        kt = np.empty((0, cfg.num_kv_heads, cfg.head_dim, 1), np.float32)
+        blocks, slot, kt = self._no_blocks
         if kvq is self._plain and _longest_run(rows) >= TRANSPOSE_FROM:
             blocks, slot = plain_attention.blocks_read(tables, positions, kv.shape[3], kv.shape[0])
             kt = _aligned((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]))

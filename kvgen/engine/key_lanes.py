@@ -35,40 +35,36 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvgen.engine import cpu_kernels
-from kvgen.engine.cpu_kernels import _I32, FEATURES, LANES, _int, _lanes, _sum
+from kvgen.engine.cpu_kernels import (
+    _FLOATS,
+    _I32,
+    FEATURES,
+    LANES,
+    _arguments,
+    _broadcast,
+    _int,
+    _lanes,
+    _splat,
+    _sum,
+)
 
 TILE = 16  # keys a scores call computes; a KV block must hold a whole number of them
 VECS = TILE // LANES  # vectors a tile of keys fills
 MAX_HEADS = 4  # heads one values call serves (more: several calls, the same arithmetic per head)
 FMA = "+fma" in FEATURES.split(",")
-_F = ir.FloatType()
-_V = ir.VectorType(_F, LANES)
-
-
-def _data(context, builder, signature, args, names):
-    """Arguments by name, arrays as their data pointers."""
-    a = dict(zip(names, args, strict=True))
-    for i, name in enumerate(names):
-        if isinstance(signature.args[i], types.Array):
-            a[name] = context.make_array(signature.args[i])(context, builder, args[i]).data
-    return a
-
-
-def _splat(builder, x):
-    v = builder.insert_element(ir.Constant(_V, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES))
 
 
 def _madd(builder, a, b, c):
     """a b + c, rounded once where the CPU has FMA."""
     if not FMA:
         return builder.fadd(builder.fmul(a, b), c)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V, [_V, _V, _V]), f"llvm.fma.v{LANES}f32")
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3),
+                                        f"llvm.fma.v{LANES}f32")
     return builder.call(fn, [a, b, c])
 
 
 def _vec(builder, ptr):
-    return builder.bitcast(ptr, _V.as_pointer())
+    return builder.bitcast(ptr, _FLOATS.as_pointer())
 
 
 def _transpose(builder, rows):
@@ -96,7 +92,7 @@ def _transpose_tile(typingctx, src, sbase, sstride, hd, dst, dbase, dstride):
     sig = types.void(src, sbase, sstride, hd, dst, dbase, dstride)
 
     def codegen(context, builder, signature, args):
-        a = _data(context, builder, signature, args, names)
+        a = _arguments(context, builder, signature, args, names)
         at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
         with cgutils.for_range(builder, builder.udiv(a["hd"], _int(LANES))) as loop:
             d0 = builder.mul(loop.index, _int(LANES))
@@ -161,18 +157,18 @@ def _scores(transposed: bool):
         sig = types.void(k, kbase, kstride, q, qbase, hd, scale, out, obase)
 
         def codegen(context, builder, signature, args):
-            a = _data(context, builder, signature, args, names)
+            a = _arguments(context, builder, signature, args, names)
             at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
             # chains[v][l]: chain l of the keys of vector v (transposed), or the chains of key
             # v LANES + l (rows); zeros to start: fma(x, y, 0) rounds x y once, as a multiply would
-            chains = [[cgutils.alloca_once_value(builder, ir.Constant(_V, None)) for _ in range(LANES)]
+            chains = [[cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(LANES)]
                       for _ in range(VECS)]
             with cgutils.for_range(builder, builder.udiv(a["hd"], _int(LANES))) as loop:
                 d0 = builder.mul(loop.index, _int(LANES))
                 if transposed:
                     for lane in range(LANES):
                         d = builder.add(d0, _int(lane))
-                        ql = _splat(builder, builder.load(at(a["q"], a["qbase"], d)))
+                        ql = _splat(builder, at(a["q"], a["qbase"], d))
                         for v in range(VECS):
                             kd = at(a["k"], a["kbase"], builder.mul(d, a["kstride"]), _int(v * LANES))
                             chain = chains[v][lane]
@@ -186,7 +182,7 @@ def _scores(transposed: bool):
                             chain = chains[v][t]
                             builder.store(_madd(builder, qv, builder.load(_vec(builder, kt), align=4),
                                                 builder.load(chain)), chain)
-            s = _splat(builder, a["scale"])
+            s = _broadcast(builder, a["scale"])
             for v in range(VECS):
                 total = (_tree if transposed else _tree_across)(builder, [builder.load(c) for c in chains[v]])
                 builder.store(builder.fmul(total, s), _vec(builder, at(a["out"], a["obase"], _int(v * LANES))), align=4)
@@ -208,11 +204,11 @@ def _values(heads: int):
         sig = types.void(v, vbase, vstride, n, w, wbase, wstride, hd, acc, abase)
 
         def codegen(context, builder, signature, args):
-            a = _data(context, builder, signature, args, names)
+            a = _arguments(context, builder, signature, args, names)
             at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
 
             def run(start, count, unroll):  # `count` runs of `unroll` vectors of dimensions from start
-                sums = [[cgutils.alloca_once(builder, _V) for _ in range(unroll)] for _ in range(heads)]
+                sums = [[cgutils.alloca_once(builder, _FLOATS) for _ in range(unroll)] for _ in range(heads)]
                 with cgutils.for_range(builder, count) as chunk:
                     d0 = builder.add(start, builder.mul(chunk.index, _int(unroll * LANES)))
                     dest = [[_vec(builder, at(a["acc"], a["abase"], builder.mul(a["hd"], _int(g)), d0,
@@ -226,7 +222,7 @@ def _values(heads: int):
                                                              _int(u * LANES))), align=4) for u in range(unroll)]
                         for g in range(heads):
                             w_at = at(a["w"], a["wbase"], builder.mul(a["wstride"], _int(g)), t)
-                            wt = _splat(builder, builder.load(w_at))
+                            wt = _splat(builder, w_at)
                             for u in range(unroll):
                                 builder.store(_madd(builder, wt, row[u], builder.load(sums[g][u])), sums[g][u])
                     for g in range(heads):

@@ -33,7 +33,7 @@ GROUP_TASKS_FROM = 4 * cpu_kernels.PARTS
 def blocks_read(tables, positions, block, pool):  # pragma: no cover - compiled
     """The distinct blocks the rows read, in order of first read, and each block's index in that
     list (-1 where unread): what key_lanes.transpose_blocks copies for a step whose rows read the
-    same blocks again and again (a prompt chunk, a draft)."""
+    same blocks again and again (a prompt chunk)."""
     slot = np.full(pool, -1, np.int64)
     order = np.empty(pool, np.int64)
     n = 0
@@ -106,13 +106,13 @@ def attend(q, kv, layer, tables, positions, heads, kv_heads, head_dim, out, task
             _run(cuts[part], cuts[part + 1], q, kv, layer, tables, positions, heads, kv_heads, head_dim, out, first,
                  task_row, partial, slot, kt)
     if positions.shape[0] and positions.max() >= SPLIT:
-        merge(partial[0], partial[1], partial[2], first, positions, heads, kv_heads, out)
+        merge(partial[0], partial[1], partial[2], first, positions, heads, out)
 
 
 @njit(cache=True, nogil=True)
 def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out, first, task_row, partial, slot,
          kt):  # pragma: no cover - compiled
-    """attend's tasks lo .. hi - 1 (no fastmath, as _attend)."""
+    """attend's tasks lo .. hi - 1 (no fastmath, as attend)."""
     group = heads // kv_heads
     block, hd = kv.shape[3], head_dim
     scale = np.float32(1.0 / math.sqrt(head_dim))
@@ -162,7 +162,7 @@ def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out
 
 
 @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def merge(part_acc, part_top, part_sum, first, positions, heads, kv_heads, out):  # pragma: no cover
+def merge(part_acc, part_top, part_sum, first, positions, heads, out):  # pragma: no cover
     """The output of every row of several runs: their partial softmaxes rescaled to the largest
     max and added in order of position."""
     per, hd = part_acc.shape[1], part_acc.shape[2]
