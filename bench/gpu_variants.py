@@ -3,14 +3,15 @@
 Each variant rewrites #defines of kernels/flash_decode.cu (as ops.kernel_source hands it to
 CuPy) and recompiles; bench/gpu.py's bench_case times it (CUDA-graph replay, next to torch SDPA
 on the same data) and checks it against an fp32 SDPA reference. Variants are separated by ';',
-each a comma list of NAME=VALUE #defines ("base": none), e.g. "base;KVG_FD_MAX_G=4"
-(ops.MAX_HEADS_PER_CTA follows KVG_FD_MAX_G); src=DIR, which takes flash_decode.cu and
-common.cuh from DIR instead (another design with the same entry points, e.g. an earlier
-revision's: `git show REV:kvgen/gpu/kernels/flash_decode.cu > DIR/flash_decode.cu`); and
+each a comma list of NAME=VALUE #defines ("base": none), e.g. "base;KVG_FD_MAX_G=8"
+(ops.MAX_HEADS_PER_CTA follows KVG_FD_MAX_G: name it for a src=DIR whose value differs);
+src=DIR, which takes flash_decode.cu and the headers it includes from DIR instead (another
+design with the same entry points, e.g. an earlier revision's:
+`git show REV:kvgen/gpu/kernels/flash_decode.cu > DIR/flash_decode.cu`, and its headers); and
 ops.NAME=VALUE, which sets one of ops.py's integer constants (the split heuristic's
 CTAS_PER_SM, MIN_TOKENS_PER_SPLIT) for the variant.
 
-    python bench/gpu_variants.py --variants "base;KVG_FD_MAX_G=4" [--cases fp16:16:8192,q4:16:32768]
+    python bench/gpu_variants.py --variants "base;KVG_FD_MAX_G=8" [--cases fp16:16:8192,q4:16:32768]
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvgen.gpu import ops  # noqa: E402
 
 CASES = "fp16:1:32768,fp16:16:8192,fp16:64:8192,fp16:16:32768,fp8:16:32768,q4:16:32768,fp16:4:2048"
 _SOURCE = ops.kernel_source
+_MAX_G = ops.MAX_HEADS_PER_CTA  # the source's own KVG_FD_MAX_G
 
 
 def use_variant(defines: dict[str, str]) -> None:
@@ -42,8 +44,7 @@ def use_variant(defines: dict[str, str]) -> None:
     def source(name: str) -> str:
         if name == "flash_decode" and folder:
             d = pathlib.Path(folder)
-            text = (d / "flash_decode.cu").read_text()
-            text = text.replace('#include "common.cuh"', (d / "common.cuh").read_text(), 1)
+            text = ops.paste_includes((d / "flash_decode.cu").read_text(), d)
         else:
             text = _SOURCE(name)
         if name == "flash_decode":
@@ -54,7 +55,7 @@ def use_variant(defines: dict[str, str]) -> None:
         return text
 
     ops.kernel_source = source
-    ops.MAX_HEADS_PER_CTA = int(defines.get("KVG_FD_MAX_G", 8))
+    ops.MAX_HEADS_PER_CTA = int(defines.get("KVG_FD_MAX_G", _MAX_G))
     ops._module.cache_clear()
     ops._function.cache_clear()
 

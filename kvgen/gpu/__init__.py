@@ -33,10 +33,12 @@ def available() -> bool:
 def supports(format_name: str, head_dim: int, window: int = 0, chunk: int = 0) -> bool:
     """Whether the decode kernels (ops.kv_append / ops.flash_decode) can serve a KV format at
     this head_dim: they attend to every cached key, so sliding-window and chunked attention,
-    which need masks, are not theirs. Says nothing about this machine (see available())."""
+    which need masks, are not theirs; flash-decode reads K and V in runs of 8 dims (every
+    Llama-family head_dim is a multiple of 8). Says nothing about this machine (see available())."""
     from kvgen.gpu import ops  # torch and numpy only: no CuPy needed to ask
 
-    return format_name in ops.FORMATS and head_dim <= ops.MAX_HEAD_DIM and not (window or chunk)
+    return (format_name in ops.FORMATS and head_dim <= ops.MAX_HEAD_DIM and head_dim % 8 == 0
+            and not (window or chunk))
 
 
 __all__ = ["available", "supports"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import pathlib
+import re
 
 import numpy as np
 import torch
@@ -40,7 +41,7 @@ FORMATS = ("fp32", "fp16", "bf16", "fp8", "q4")
 MAX_HEAD_DIM = 256
 APPEND_THREADS = 128  # kv_append.cu KVG_APPEND_THREADS
 DECODE_THREADS = 128  # flash_decode.cu KVG_FD_THREADS
-MAX_HEADS_PER_CTA = 8  # flash_decode.cu KVG_FD_MAX_G
+MAX_HEADS_PER_CTA = 4  # flash_decode.cu KVG_FD_MAX_G
 # Resident flash-decode thread blocks per SM assumed by the split heuristic (119
 # registers x 128 threads at head_dim 128 on sm_90 -> 4 per SM); a GPU profile may retune it.
 CTAS_PER_SM = 4
@@ -61,12 +62,18 @@ def _cupy():
     return cupy
 
 
+def paste_includes(text: str, folder: pathlib.Path) -> str:
+    """text with each `#include "X.cuh"` replaced by folder/X.cuh (recursively), so NVRTC needs
+    no include path and CuPy's cache key (the source text) changes whenever a header does."""
+    def paste(m: re.Match) -> str:
+        return paste_includes((folder / m.group(1)).read_text(), folder)
+
+    return re.sub(r'^#include "([\w.]+\.cuh)"$', paste, text, flags=re.M)
+
+
 def kernel_source(name: str) -> str:
-    """Source of kernels/<name>.cu with common.cuh pasted in, so NVRTC needs no include path
-    and CuPy's cache key (the source text) changes whenever the header does."""
-    src = (KERNEL_DIR / f"{name}.cu").read_text()
-    common = (KERNEL_DIR / "common.cuh").read_text()
-    return src.replace('#include "common.cuh"', common, 1)
+    """Source of kernels/<name>.cu with its headers (common.cuh, ...) pasted in."""
+    return paste_includes((KERNEL_DIR / f"{name}.cu").read_text(), KERNEL_DIR)
 
 
 @functools.cache
@@ -288,12 +295,14 @@ def flash_decode(q: torch.Tensor, fmt, store: dict[str, torch.Tensor], layer: in
     b, h, hd = q.shape
     _check_int32("block_tables", block_tables, 2, b)
     _check_int32("context_lens", context_lens, 1, b)
-    if hd > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {hd} > {MAX_HEAD_DIM}")
+    if hd > MAX_HEAD_DIM or hd % 8:
+        raise ValueError(f"head_dim {hd}: flash_decode takes multiples of 8 up to {MAX_HEAD_DIM}")
     cache, scale, key_scale, group = _cache_tensors(name, store, hd)
-    _, n_layers, _, block_size, kvh, _ = cache.shape
+    n_blocks, n_layers, _, block_size, kvh, _ = cache.shape
     if h % kvh or not 0 <= layer < n_layers:
         raise ValueError(f"{h} query heads / layer {layer} do not fit the store {tuple(cache.shape)}")
+    if n_blocks * n_layers * 2 * block_size * kvh >= 2**31:  # the kernel's int32 row indices
+        raise ValueError(f"a store of {tuple(cache.shape)} has 2^31 rows or more")
     if out is None:
         out = torch.empty((b, h, hd), dtype=q.dtype, device=q.device)
     elif out.shape != (b, h, hd) or out.dtype != q.dtype or not out.is_contiguous():

@@ -16,7 +16,7 @@ def test_emulated_flash_decode_matches_reference(emulated, name, gqa):
 
     ops = emulated
     # (block size, head_dim, kv heads, q dtype) vary with the case; lengths hit block edges,
-    # an empty row and odd lengths; 12 query heads per kv head take two head chunks.
+    # an empty row and odd lengths; 12 query heads per kv head take several head chunks.
     i = FORMATS.index(name) + gqa
     bs, hd, kvh = ((8, 64, 2), (16, 96, 1), (4, 32, 2), (8, 256, 1))[i % 4]
     q_dtype = DTYPES[i % 3]

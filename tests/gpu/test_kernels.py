@@ -188,7 +188,7 @@ def test_flash_decode_matches_reference(name, gqa, q_dtype):
 
 
 def test_flash_decode_many_heads_per_kv_head_and_big_batch():
-    """12 query heads per kv head (two head chunks) and a batch that needs no split."""
+    """12 query heads per kv head (several head chunks) and a batch that needs no split."""
     from kvgen.gpu import ops
     from tests.gpu.reference import paged_decode_reference
 

@@ -94,10 +94,11 @@ def test_flash_decode_grid(launches):
     fmt, store = empty_store("fp16", kvh=2, hd=64)
     bt = torch.zeros((5, 4), dtype=torch.int32)
     lens = torch.ones(5, dtype=torch.int32)
-    q = torch.zeros((5, 2 * 12, 64), dtype=torch.float16)  # 12 query heads per kv head: 2 chunks
+    q = torch.zeros((5, 2 * 12, 64), dtype=torch.float16)  # 12 query heads per kv head
     ops.flash_decode(q, fmt, store, 0, bt, lens, num_splits=3)
     (_, split_fn, split_grid, _, split_args), (_, red_fn, red_grid, _, red_args) = launches
-    assert split_fn == "flash_decode_split_fp16_f16_hd128" and split_grid == (3, 2 * 2, 5)
+    chunks = -(-12 // ops.MAX_HEADS_PER_CTA)  # 3 of 4 heads
+    assert chunks > 1 and split_fn == "flash_decode_split_fp16_f16_hd128" and split_grid == (3, 2 * chunks, 5)
     assert red_fn == "flash_decode_reduce_f16" and red_grid == (24, 5)
     assert split_args[10].shape == (5, 24, 3, 64) and split_args[11].shape == (5, 24, 3, 2)
     assert math.isclose(float(split_args[-1]), math.log2(math.e) / 8, rel_tol=1e-6)

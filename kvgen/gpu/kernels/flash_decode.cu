@@ -13,8 +13,10 @@
 //     K row in 16-byte loads against q in shared memory, one warp max per head and tile (an
 //     earlier design summed every token's dot product across the warp: five shuffles per
 //     token and head, and on an H100 the kernel was bound by instruction issue at 17% of the
-//     copy bandwidth). Values: a lane owns ceil(HD/32) consecutive dims of v and of the
-//     accumulator, and the warp reads each V row of the tile in one pass. K and V are
+//     copy bandwidth). Values: HD / DPL lanes cover a row, DPL dims each, so a pass of the warp
+//     reads 32 / (HD / DPL) rows (one at head_dim 128, two at 64). A lane issues several
+//     rows' (K: chunks') loads before it uses any, so DRAM latency is paid once per group,
+//     not once per load. K and V are
 //     dequantised in registers (fp8: e4m3 * block scale; q4: (code-8) * value group scale or
 //     key channel scale). The 4 warps' states are merged in shared memory and the split writes
 //     its unnormalised accumulator plus (running max m, sum of exp l) to float32 scratch.
@@ -27,166 +29,26 @@
 // first-token slot (first_of[block] >= 0) from the sink (before the rows, as ExactTail.read);
 // every other token from the quantized store. Layouts in kv_append.cu.
 //
-// Cache layout: see kv_append.cu. Requires head_dim <= 32 * DPL (DPL = 4 or 8, i.e. 128 or
-// 256), chosen by ops.py.
+// Cache layout: see kv_append.cu. Requires head_dim % 8 == 0 and head_dim <= 32 * DPL (DPL = 4
+// or 8, i.e. 128 or 256), chosen by ops.py.
 #include "common.cuh"
+#include "flash_decode_reads.cuh"
 
 #define KVG_FD_WARPS 4
 #define KVG_FD_THREADS (KVG_FD_WARPS * 32)
-#define KVG_FD_MAX_G 8  // query heads per thread block; more per kv head -> more head chunks
-
-struct DecodeArgs {
-  const void* q;            // [B, H, HD] in dtype QT
-  const void* cache;        // kv (plain, fp8) or q (q4)
-  const void* cache_scale;  // fp8: f32 [NB, L, 2, KVH]; q4: f16 values [NB, L, BS, KVH, HD/G]
-  const void* key_scale;    // q4: f16 keys [NB, L, KVH, HD]
-  const int* block_tables;  // [B, max_blocks]
-  const int* context_lens;  // [B]
-  const void* exact_rows;   // exact tail (see above); unused when exact_dt < 0
-  const i64* recent_of;
-  const void* sink;
-  const i64* first_of;
-  float* part_acc;          // [B, H, S, HD] unnormalised partial outputs
-  float* part_ml;           // [B, H, S, 2] (running max m, sum of exp l), base 2
-  int max_blocks, len_offset, H, KVH, HD, L, layer, BS, group, num_splits;
-  int exact_dt;             // KVG_F32 / F16 / BF16 of exact_rows and sink; -1: no exact tail
-  float qk_scale;           // sm_scale * log2(e)
-};
-
-__device__ __forceinline__ i64 kvg_fd_row(const DecodeArgs& a, i64 blk, int kv, int off, int kvh,
-                                          int width) {
-  return ((((blk * a.L + a.layer) * 2 + kv) * a.BS + off) * a.KVH + kvh) * (i64)width;
-}
-
-// Vector views for wide loads (alignas: no CUDA header needed, g++ builds them too).
-struct alignas(8) kvg_fd_v2 { u32 x, y; };
-struct alignas(16) kvg_fd_v4 { u32 x, y, z, w; };
-
-// Raw bits of NB bytes at p (NB = 2, 4, 8 or 16; p aligned to NB) as 32-bit words, w[0]
-// holding the lowest bytes: one load instruction instead of one per element.
-template <int NB>
-__device__ __forceinline__ void kvg_fd_bits(const void* p, u32 (&w)[(NB + 3) / 4]) {
-  if constexpr (NB == 16) {
-    const kvg_fd_v4 v = *(const kvg_fd_v4*)p;
-    w[0] = v.x;
-    w[1] = v.y;
-    w[2] = v.z;
-    w[3] = v.w;
-  } else if constexpr (NB == 8) {
-    const kvg_fd_v2 v = *(const kvg_fd_v2*)p;
-    w[0] = v.x;
-    w[1] = v.y;
-  } else if constexpr (NB == 4) {
-    w[0] = *(const u32*)p;
-  } else {
-    w[0] = *(const u16*)p;
-  }
-}
-
-// x[i] = dequantised cache element d0 + i of (blk, k|v, off, kvh) for i < n; 0 past n or HD.
-// A full run of N (n == N, HD a multiple of N, d0 too) is contiguous and aligned, so it comes in
-// one or two wide loads.
-template <int FMT, int N>
-__device__ __forceinline__ void kvg_fd_load(const DecodeArgs& a, i64 blk, int kv, int off, int kvh,
-                                            int d0, int n, float (&x)[N]) {
-  const bool wide = n == N && a.HD % N == 0;
-  if (FMT == KVG_FMT_F32 || FMT == KVG_FMT_F16 || FMT == KVG_FMT_BF16) {
-    const i64 base = kvg_fd_row(a, blk, kv, off, kvh, a.HD) + d0;
-    if (wide && FMT == KVG_FMT_F32) {
-#pragma unroll
-      for (int c = 0; c < N / 4; ++c) {
-        u32 w[4];
-        kvg_fd_bits<16>((const float*)a.cache + base + 4 * c, w);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) x[4 * c + i] = kvg_u2f(w[i]);
-      }
-    } else if (wide) {  // fp16 / bf16: N halves = 2N bytes (8 or 16)
-      u32 w[N / 2];
-      kvg_fd_bits<N * 2>((const u16*)a.cache + base, w);
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const u16 h = (u16)(w[i / 2] >> (16 * (i & 1)));
-        x[i] = FMT == KVG_FMT_F16 ? kvg_f16_to_f32(h) : kvg_bf16_to_f32(h);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-        x[i] = (i < n && d0 + i < a.HD) ? kvg_load<FMT>(a.cache, base + i) : 0.0f;  // FMT == dtype id
-    }
-  } else if (FMT == KVG_FMT_FP8) {
-    const u8* c = (const u8*)a.cache + kvg_fd_row(a, blk, kv, off, kvh, a.HD) + d0;
-    const float s = ((const float*)a.cache_scale)[((blk * a.L + a.layer) * 2 + kv) * a.KVH + kvh];
-    if (wide) {  // N bytes (4 or 8)
-      u32 w[N / 4];
-      kvg_fd_bits<N>(c, w);
-#pragma unroll
-      for (int i = 0; i < N; ++i) x[i] = kvg_e4m3_to_f32((u8)(w[i / 4] >> (8 * (i & 3)))) * s;
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) x[i] = (i < n && d0 + i < a.HD) ? kvg_e4m3_to_f32(c[i]) * s : 0.0f;
-    }
-  } else {  // q4
-    const u8* c = (const u8*)a.cache + kvg_fd_row(a, blk, kv, off, kvh, a.HD / 2);
-    // values: a scale per token and group of `group` dims; keys: one per channel of the block
-    const int per = kv ? a.group : 1;
-    const u16* sc = kv ? (const u16*)a.cache_scale + (((blk * a.L + a.layer) * a.BS + off) * a.KVH + kvh) * (i64)(a.HD / a.group)
-                       : (const u16*)a.key_scale + ((blk * a.L + a.layer) * a.KVH + kvh) * (i64)a.HD;
-    if (wide) {  // N nibbles = N / 2 bytes (2 or 4), low nibble first
-      u32 w[1];
-      kvg_fd_bits<N / 2>(c + (d0 >> 1), w);
-#pragma unroll
-      for (int i = 0; i < N; ++i)
-        x[i] = (float)((int)((w[0] >> (4 * i)) & 15u) - 8) * kvg_f16_to_f32(sc[(d0 + i) / per]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const int d = d0 + i;
-        if (i < n && d < a.HD) {
-          const u32 byte = c[d >> 1];
-          const int code = (int)((d & 1) ? (byte >> 4) : (byte & 15u));
-          x[i] = (float)(code - 8) * kvg_f16_to_f32(sc[d / per]);
-        } else {
-          x[i] = 0.0f;
-        }
-      }
-    }
-  }
-}
-
-// Where the exact tail holds token (blk, off): its K row's element index in *src and V's distance
-// from it; false when the token is read from the store (or there is no exact tail).
-__device__ __forceinline__ bool kvg_fd_exact(const DecodeArgs& a, i64 blk, int off, int kvh, const void** src,
-                                             i64* base, i64* kv_stride) {
-  if (a.exact_dt < 0) return false;
-  const i64 first = off == 0 ? a.first_of[blk] : -1;
-  if (first >= 0) {  // sink [slots, L, 2, KVH, HD]
-    *src = a.sink;
-    *base = ((first * a.L + a.layer) * 2 * a.KVH + kvh) * (i64)a.HD;
-    *kv_stride = (i64)a.KVH * a.HD;
-    return true;
-  }
-  const i64 slot = a.recent_of[blk];
-  if (slot < 0) return false;
-  *src = a.exact_rows;  // [slots, L, 2, BS, KVH, HD]
-  *base = kvg_fd_row(a, slot, 0, off, kvh, a.HD);
-  *kv_stride = (i64)a.BS * a.KVH * a.HD;
-  return true;
-}
-
-// V dims d0 .. d0 + dpl of token (blk, off), from the exact tail where it holds them.
-template <int FMT, int DPL>
-__device__ __forceinline__ void kvg_fd_load_v(const DecodeArgs& a, i64 blk, int off, int kvh, int d0, int dpl,
-                                              float (&vx)[DPL]) {
-  const void* src;
-  i64 base, kv_stride;
-  if (kvg_fd_exact(a, blk, off, kvh, &src, &base, &kv_stride)) {
-#pragma unroll
-    for (int i = 0; i < DPL; ++i)
-      vx[i] = (i < dpl && d0 + i < a.HD) ? kvg_load_dt(src, base + kv_stride + d0 + i, a.exact_dt) : 0.0f;
-    return;
-  }
-  kvg_fd_load<FMT, DPL>(a, blk, 1, off, kvh, d0, dpl, vx);
-}
+#define KVG_FD_MAX_G 4  // query heads per thread block; more per kv head -> more head chunks
+// 0: every loop over a thread block's heads runs all KVG_FD_MAX_G of them (a head past ng has
+// q = 0 and is never written out), so no branch splits the loops and ptxas interleaves the
+// heads' multiply-add chains; 1: heads past ng are skipped (less work where ng < MAX_G).
+#define KVG_FD_GUARD 0
+#define KVG_FD_LIVE(g) (!KVG_FD_GUARD || (g) < ng)
+// Thread blocks per SM that the register budget must allow at head_dim <= 128 (4: at most 128
+// registers; left to itself ptxas picked 96 for some entry points and spilled); 2 at 256.
+#define KVG_FD_MIN_BLOCKS 4
+#define KVG_FD_KU 4     // K chunks of 8 dims a lane has in flight
+#define KVG_FD_KU_Q4 2  // for q4 (each chunk brings its 8 channel scales: registers)
+#define KVG_FD_VU 8        // V rows a lane has in flight
+#define KVG_FD_VU_SMALL 4  // for q4 (a scale per element) or head_dim 256 (8 dims a lane); half for both
 
 template <int FMT, int QT, int DPL>
 __device__ void kvg_decode_split(const DecodeArgs& a) {
@@ -203,8 +65,16 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
   const int h0 = kvh * G + (blockIdx.y % chunks) * KVG_FD_MAX_G;  // first query head here
   const int ng = min(KVG_FD_MAX_G, kvh * G + G - h0);              // query heads here
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int dpl = (a.HD + 31) >> 5;  // dims per lane (<= DPL)
-  const int d0 = lane * dpl;
+  // Values: lpr lanes cover a row, DPL dims each, so a pass of the warp reads R rows (2 at
+  // head_dim 64). Lanes past R * lpr shadow lane 0's dims and are not written out.
+  const int lpr = a.HD / DPL, R = 32 / lpr;
+  const bool vlane = lane < R * lpr;
+  const int sub = vlane ? lane / lpr : 0, d0 = vlane ? (lane % lpr) * DPL : 0;
+  const int kchunks = a.HD / 8;  // K chunks of 8 dims
+  constexpr int KU = FMT == KVG_FMT_Q4 ? KVG_FD_KU_Q4 : KVG_FD_KU;  // registers decide both
+  constexpr int VU = FMT == KVG_FMT_Q4 && DPL > 4 ? KVG_FD_VU_SMALL / 2
+                     : FMT == KVG_FMT_Q4 || DPL > 4 ? KVG_FD_VU_SMALL : KVG_FD_VU;
+  static_assert((32 * DPL) % (8 * KU) == 0, "K chunk groups never run past s_q");
 
   // This split's token range [t0, t1): whole cache blocks, the same count for every split.
   int len = a.context_lens[b] + a.len_offset;
@@ -219,7 +89,7 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
   __syncthreads();
 
   // m: running max (the same in every lane); l: this lane's share of the sum of exp; acc: this
-  // lane's dims d0 .. d0 + dpl of the unnormalised output.
+  // lane's dims d0 .. d0 + DPL of the unnormalised output, over its rows (sub, sub + R, ...).
   float m[KVG_FD_MAX_G], l[KVG_FD_MAX_G], acc[KVG_FD_MAX_G][DPL];
 #pragma unroll
   for (int g = 0; g < KVG_FD_MAX_G; ++g) {
@@ -230,9 +100,9 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
   }
 
   // A warp takes 32 tokens at a time (the warps interleave tiles). Scores: a lane per token, its
-  // whole K row in wide loads against q from shared memory (a broadcast), so no per-token
-  // shuffle reduction; then one max per head for the tile. Values: a lane per dims again,
-  // token by token, each V row read by the warp in one coalesced pass.
+  // K row in groups of KU 8-dim chunks, each group's loads issued before any is used, against q
+  // from shared memory (a broadcast), so no per-token shuffle reduction; then one max per head
+  // for the tile. Values: VU passes' rows loaded before they are weighed.
   for (int tile = t0 + warp * 32; tile < t1; tile += KVG_FD_WARPS * 32) {
     const int t = tile + lane;
     const int id = t < t1 ? a.block_tables[(i64)b * a.max_blocks + t / a.BS] : -1;
@@ -240,30 +110,44 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
     float s[KVG_FD_MAX_G];
 #pragma unroll
     for (int g = 0; g < KVG_FD_MAX_G; ++g) s[g] = 0.0f;
+    // This lane's token's V row for the value pass (row 0, weight 0, without a token), and
+    // whether the exact tail holds it.
+    int vrow = 0, vsrow = 0, vexact = 0;
+    float vscale = 0.0f;
     if (id >= 0) {
+      vrow = kvg_fd_vrow(a, id, off, kvh);
+      if constexpr (FMT == KVG_FMT_Q4) vsrow = kvg_fd_vscale_row(a, id, off, kvh);
+      vscale = kvg_fd_scale<FMT>(a, id, 1, kvh);
       const void* src;
       i64 base, kv_stride;
-      if (kvg_fd_exact(a, id, off, kvh, &src, &base, &kv_stride)) {
+      if (kvg_fd_exact_at<FMT>(a, id, off, kvh, &src, &base, &kv_stride)) {
+        vexact = 1;
         for (int d = 0; d < a.HD; ++d) {
           const float k = kvg_load_dt(src, base + d, a.exact_dt);
 #pragma unroll
           for (int g = 0; g < KVG_FD_MAX_G; ++g) s[g] += s_q[g][d] * k;
         }
       } else {
-#pragma unroll 4  // four 16-byte loads in flight per lane
-        for (int d = 0; d < a.HD; d += 8) {
-          float x[8];
-          kvg_fd_load<FMT, 8>(a, id, 0, off, kvh, d, min(8, a.HD - d), x);
+        const float ks = kvg_fd_scale<FMT>(a, id, 0, kvh);
+        for (int c0 = 0; c0 < kchunks; c0 += KU) {
+          // A group past the last chunk rereads it (a valid address) against q's zeros.
+          float x[KU][8];
 #pragma unroll
-          for (int g = 0; g < KVG_FD_MAX_G; ++g) {
-            if (g < ng) {  // q's 8 dims in two 16-byte shared loads (one per element before)
-              u32 qa[4], qb[4];
-              kvg_fd_bits<16>(&s_q[g][d], qa);
-              kvg_fd_bits<16>(&s_q[g][d + 4], qb);
+          for (int u = 0; u < KU; ++u) kvg_fd_key8<FMT>(a, id, off, kvh, 8 * min(c0 + u, kchunks - 1), ks, x[u]);
 #pragma unroll
-              for (int i = 0; i < 4; ++i) s[g] += kvg_u2f(qa[i]) * x[i];
+          for (int u = 0; u < KU; ++u) {
+            const int d = 8 * (c0 + u);
 #pragma unroll
-              for (int i = 0; i < 4; ++i) s[g] += kvg_u2f(qb[i]) * x[4 + i];
+            for (int g = 0; g < KVG_FD_MAX_G; ++g) {
+              if (KVG_FD_LIVE(g)) {  // q's 8 dims in two 16-byte shared loads
+                u32 qa[4], qb[4];
+                kvg_fd_bits<16>(&s_q[g][d], qa);
+                kvg_fd_bits<16>(&s_q[g][d + 4], qb);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[g] += kvg_u2f(qa[i]) * x[u][i];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) s[g] += kvg_u2f(qb[i]) * x[u][4 + i];
+              }
             }
           }
         }
@@ -271,7 +155,7 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
     }
 #pragma unroll
     for (int g = 0; g < KVG_FD_MAX_G; ++g) {
-      if (g < ng) {  // uniform across the warp
+      if (KVG_FD_LIVE(g)) {  // uniform across the warp
         const float sg = id >= 0 ? s[g] : KVG_NEG_INF;
         // Online softmax over the tile: rescale the running sums to the new max once.
         const float mn = fmaxf(m[g], kvg_warp_max(sg));
@@ -288,26 +172,58 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
       }
     }
     __syncwarp();
+    // Row j = j0 + u * R + sub of the tile. A row past n (or of a -1 entry) has weight 0 and
+    // reads the store's row 0 instead (a valid address), which adds exact zeros.
     const int n = min(32, t1 - tile);
-    for (int j = 0; j < n; ++j) {
-      const int idj = __shfl_sync(0xffffffffu, id, j);
-      if (idj < 0) continue;  // warp-uniform
-      float vx[DPL];
-      kvg_fd_load_v<FMT, DPL>(a, idj, (tile + j) % a.BS, kvh, d0, dpl, vx);
+    for (int j0 = 0; j0 < n; j0 += VU * R) {
+      float vx[VU][DPL];
 #pragma unroll
-      for (int g = 0; g < KVG_FD_MAX_G; ++g) {
-        if (g < ng) {
-          const float p = s_p[warp][g][j];
+      for (int u = 0; u < VU; ++u) {
+        const int j = min(j0 + u * R + sub, 31);
+        const int row = __shfl_sync(0xffffffffu, vrow, j);
+        const float sc = FMT == KVG_FMT_FP8 ? __shfl_sync(0xffffffffu, vscale, j) : 1.0f;
+        const int srow = FMT == KVG_FMT_Q4 ? __shfl_sync(0xffffffffu, vsrow, j) : 0;
+        if constexpr (FMT == KVG_FMT_FP8 || FMT == KVG_FMT_Q4) {
+          const int exact = __shfl_sync(0xffffffffu, vexact, j);
+          const int idj = __shfl_sync(0xffffffffu, id, j);
+          const void* src;
+          i64 base, kv_stride;
+          if (exact && kvg_fd_exact(a, idj, (tile + j) % a.BS, kvh, &src, &base, &kv_stride)) {
 #pragma unroll
-          for (int i = 0; i < DPL; ++i) acc[g][i] += p * vx[i];
+            for (int i = 0; i < DPL; ++i) vx[u][i] = kvg_load_dt(src, base + kv_stride + d0 + i, a.exact_dt);
+            continue;
+          }
+        }
+        kvg_fd_value<FMT, DPL>(a, row, sc, srow, d0, vx[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < VU; ++u) {
+        const int j = j0 + u * R + sub;
+#pragma unroll
+        for (int g = 0; g < KVG_FD_MAX_G; ++g) {
+          if (KVG_FD_LIVE(g)) {
+            const float p = j < 32 ? s_p[warp][g][j] : 0.0f;  // 0 for a lane without a token
+#pragma unroll
+            for (int i = 0; i < DPL; ++i) acc[g][i] += p * vx[u][i];
+          }
         }
       }
     }
     __syncwarp();  // s_p is rewritten by the next tile
   }
 #pragma unroll
-  for (int g = 0; g < KVG_FD_MAX_G; ++g)
-    if (g < ng) l[g] = kvg_warp_sum(l[g]);
+  for (int g = 0; g < KVG_FD_MAX_G; ++g) {
+    if (KVG_FD_LIVE(g)) {
+      l[g] = kvg_warp_sum(l[g]);
+      // Lanes sub = 1 .. R-1 hold the same dims for other rows: add them to sub 0, in order.
+#pragma unroll
+      for (int i = 0; i < DPL; ++i) {
+        float v = acc[g][i];
+        for (int r = 1; r < R; ++r) v += __shfl_sync(0xffffffffu, acc[g][i], (lane + r * lpr) & 31);
+        acc[g][i] = v;
+      }
+    }
+  }
 
   // Merge the warps (each saw every 4th tile) in shared memory.
 #pragma unroll
@@ -316,9 +232,10 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
       s_m[warp][g] = m[g];
       s_l[warp][g] = l[g];
     }
+    if (lane < lpr) {
 #pragma unroll
-    for (int i = 0; i < DPL; ++i)
-      if (i < dpl) s_acc[warp][g][d0 + i] = acc[g][i];
+      for (int i = 0; i < DPL; ++i) s_acc[warp][g][d0 + i] = acc[g][i];
+    }
   }
   __syncthreads();
 
@@ -382,7 +299,7 @@ __device__ void kvg_decode_reduce(const float* part_acc, const float* part_ml, v
   DecodeArgs { KVG_SPLIT_ARGNAMES }
 
 #define KVG_DEFINE_SPLIT(NAME, FMT, QT, DPL)                                                  \
-  extern "C" __global__ void __launch_bounds__(KVG_FD_THREADS) NAME(KVG_SPLIT_PARAMS) {        \
+  extern "C" __global__ void __launch_bounds__(KVG_FD_THREADS, (DPL) > 4 ? 2 : KVG_FD_MIN_BLOCKS) NAME(KVG_SPLIT_PARAMS) {        \
     kvg_decode_split<FMT, QT, DPL>(KVG_SPLIT_ARGS);                                           \
   }
 

@@ -17,7 +17,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
 #define __shared__ static
 
 struct kvg_dim3 { unsigned x, y, z; };
@@ -59,6 +59,15 @@ inline int __shfl_sync(unsigned, int v, int src) {
   emu_warp_ints[warp][lane] = v;
   emu_wait(emu_warp_bar[warp], 32);
   const int r = emu_warp_ints[warp][(unsigned)src & 31u];
+  emu_wait(emu_warp_bar[warp], 32);
+  return r;
+}
+
+inline float __shfl_sync(unsigned, float v, int src) {
+  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  emu_warp_vals[warp][lane] = v;
+  emu_wait(emu_warp_bar[warp], 32);
+  const float r = emu_warp_vals[warp][(unsigned)src & 31u];
   emu_wait(emu_warp_bar[warp], 32);
   return r;
 }
