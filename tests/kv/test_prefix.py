@@ -60,7 +60,8 @@ def test_a_request_reuses_the_full_blocks_of_an_earlier_one():
     first = list(range(1, 19))  # 18 tokens: 4 full blocks and 2 more
     t1 = written(kv, first)
     kv.release(t1, salt="", tokens=first)  # indexed, then let go
-    assert kv.prefix.blocks_held == 4 and kv.pool.used == 4 and kv.used == 0  # only the index holds them
+    # only the index holds them: the 4 full blocks, and the last one's 2 rows for copies
+    assert kv.prefix.blocks_held == 5 and kv.pool.used == 5 and kv.used == 0
     t2 = kv.new_table()
     assert kv.share_prefix(t2, "", first[:16] + [99, 98]) == 16
     assert [kv.pool.refs(b) for b in t2.blocks] == [2, 2, 2, 2]
@@ -93,6 +94,33 @@ def test_rows_of_a_partly_matching_block_are_copied_not_shared():
     q = manager(dtype="fp8")
     q.release(written(q, first), salt="", tokens=first)
     assert q.share_prefix(q.new_table(), "", first[:10] + [77]) == 8
+
+
+def test_a_finished_requests_partly_filled_last_block_serves_copies():
+    """A chat client's next turn resends the reply, whose end lies in the finished request's
+    partly filled last block: those rows are copied, not computed again. Only a finished
+    request's (a preempted one comes back to its own), only a plain format's, and never shared:
+    the block's rows past the key were never written."""
+    kv = manager()
+    first = list(range(1, 15))  # 3 full blocks and 2 rows
+    t1 = written(kv, first)
+    kv.release(t1, salt="", tokens=first)
+    assert kv.prefix.blocks_held == 4
+    t = kv.new_table()
+    assert kv.share_prefix(t, "", first + [50, 51]) == 14  # 3 shared blocks and the 2 rows copied
+    assert [kv.pool.refs(b) for b in t.blocks] == [2, 2, 2, 1]
+    assert torch.equal(read(kv, t), read(kv, written(kv, first)))
+    assert kv.share_prefix(kv.new_table(), "", first[:13] + [9, 9]) == 13  # one of the 2 rows
+    # the same tail again, or a tail that a cached child already starts with: nothing new
+    kv.release(written(kv, first), salt="", tokens=first)
+    kv.release(written(kv, first[:13]), salt="", tokens=first[:13])
+    assert kv.prefix.blocks_held == 4
+    p = manager()
+    p.preempt(written(p, first), salt="", tokens=first)
+    assert p.prefix.blocks_held == 3
+    q = manager(dtype="fp8")
+    q.release(written(q, first), salt="", tokens=first)
+    assert q.prefix.blocks_held == 3
 
 
 def test_different_salts_share_nothing():

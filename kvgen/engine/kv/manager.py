@@ -171,9 +171,9 @@ class KVManager:
         return n
 
     def release(self, table: PagedKVCache, salt: str = "", tokens: list[int] | None = None) -> None:
-        """The request is over: its full blocks join the prefix cache (given its tokens), and
-        every block reference goes back."""
-        self._index(table, salt, tokens)
+        """The request is over: its blocks join the prefix cache (given its tokens; the partly
+        filled last one for copies only), and every block reference goes back."""
+        self._index(table, salt, tokens, tail=True)
         blocks, n = _held(table), table.length
         self.tiers.reset(table)
         self._emit("kv.free", table, blocks, tokens=n)
@@ -186,9 +186,9 @@ class KVManager:
         self.tiers.reset(table)
         self._emit("kv.preempt", table, blocks, tokens=n)
 
-    def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None) -> None:
+    def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None, tail: bool = False) -> None:
         if self.prefix is not None and tokens is not None and table.first == 0:
-            self.prefix.insert(salt, tokens, table)
+            self.prefix.insert(salt, tokens, table, tail)
 
     # sessions
 

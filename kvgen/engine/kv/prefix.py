@@ -7,7 +7,8 @@ one-block table, `holder`, so the tiers can move it). A request that starts with
 shares the node's block: only full blocks are shared and a sequence's own writes start after
 them, so no write ever lands in a shared block. Where the blocks stop matching, the rows the
 request has in common with the start of a child block are copied into a block of its own
-(plain formats only; copy on write, done at the match).
+(plain formats only; copy on write, done at the match). A finished request's partly filled
+last block is indexed too, as a leaf whose key is its rows' tokens, for that copy alone.
 
 Trees are per `cache_salt`: requests with different salts never share a block, so a tenant
 cannot learn from timing what another one sent (vLLM's reason for the salt). The KV format and
@@ -121,15 +122,15 @@ class PrefixCache:
         rows are copied into a block of the table's own, which it then fills, instead of being
         computed again. Only where a block's rows are independent of each other (fp32 / fp16 /
         bf16, nothing held exact), so the copy holds the bytes a cold run would write."""
-        fmt = self.pool.fmt
-        if fmt.name not in ("fp32", "fp16", "bf16") or fmt.recent_slots:
+        if not self._copies_rows():
             return
+        fmt = self.pool.fmt
         start = table.length
         want = ids[start:min(start + self.block_size, len(ids) - 1)]  # never the last token
         best, rows = None, 0
         for key, child in node.children.items():
             m = 0
-            while m < len(want) and key[m] == want[m]:
+            while m < len(want) and m < len(key) and key[m] == want[m]:
                 m += 1
             if m > rows and child.block != HOLE:
                 best, rows = child, m
@@ -145,28 +146,51 @@ class PrefixCache:
         table.blocks.append(copy)
         table.length += rows
 
-    def insert(self, salt: str, tokens: list[int], table: PagedKVCache) -> int:
+    def _copies_rows(self) -> bool:
+        """Whether a block's rows can be copied out of it on their own: only where they are
+        independent of each other (fp32 / fp16 / bf16, nothing held exact), so the copy holds
+        the bytes a cold run would write."""
+        fmt = self.pool.fmt
+        return fmt.name in ("fp32", "fp16", "bf16") and not fmt.recent_slots
+
+    def insert(self, salt: str, tokens: list[int], table: PagedKVCache, tail: bool = False) -> int:
         """Index the table's full written blocks under their tokens (the table keeps its own
-        references). Returns how many blocks were new to the tree."""
+        references); with `tail` (a finished request), its partly filled last block too, as a
+        leaf that only _copy_rows reads (its key is shorter than a block, so no whole-block match
+        finds it, and nothing is ever indexed below it): a chat client's next turn resends the
+        reply whose end is in that block. Returns how many blocks were new to the tree."""
         bs = self.block_size
         node = self._roots.setdefault(salt, _Node((), None, None))
-        added = 0
-        for i in range(min(table.length, len(tokens)) // bs):
+        added, n = 0, min(table.length, len(tokens))
+        for i in range(n // bs):
             key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if child is None:
                 block = table.blocks[i]
                 if block < 0:  # dropped behind a window, or demoted: nothing to index from here
-                    break
-                holder = PagedKVCache(self.pool)
-                holder.blocks, holder.length = [block], bs
-                self.pool.share([block])
-                child = node.children[key] = _Node(key, node, holder)
-                self._nodes.append(child)
+                    return added
+                child = node.children[key] = self._new_node(key, node, block, bs)
                 added += 1
             child.used = next(self._tick)
             node = child
+        if tail and n % bs and self._copies_rows():
+            key = tuple(tokens[n - n % bs:n])
+            block = table.blocks[n // bs]
+            # a child that starts with these tokens (a full block, or an earlier tail) serves
+            # the same copies already
+            if block >= 0 and not any(k[:len(key)] == key for k in node.children):
+                node.children[key] = self._new_node(key, node, block, len(key))
+                added += 1
         return added
+
+    def _new_node(self, key: tuple[int, ...], parent: _Node, block: int, rows: int) -> _Node:
+        holder = PagedKVCache(self.pool)
+        holder.blocks, holder.length = [block], rows
+        self.pool.share([block])
+        node = _Node(key, parent, holder)
+        node.used = next(self._tick)
+        self._nodes.append(node)
+        return node
 
     def evict(self, need: int) -> int:
         """Demote blocks only the tree holds, least recently used first, until `need` blocks
