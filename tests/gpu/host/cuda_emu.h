@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <math.h>
+#include <string.h>
 #include <vector>
 
 #define __CUDACC__ 1
@@ -31,8 +32,7 @@ static ucontext_t emu_sched;
 static unsigned emu_cur;
 struct EmuBarrier { unsigned count = 0, gen = 0; };
 static EmuBarrier emu_block_bar, emu_warp_bar[32];
-static float emu_warp_vals[32][32];
-static int emu_warp_ints[32][32];
+static unsigned emu_warp_words[32][32];
 
 static void emu_yield() { swapcontext(&emu_fibers[emu_cur].ctx, &emu_sched); }
 
@@ -45,31 +45,22 @@ static void emu_wait(EmuBarrier& b, unsigned n) {
 
 inline void __syncthreads() { emu_wait(emu_block_bar, blockDim.x); }
 
-inline float __shfl_xor_sync(unsigned, float v, int mask) {
+// Lane src's v (int or float, as the CUDA overloads): every lane publishes its value, then
+// every lane reads before anyone writes again.
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  static_assert(sizeof(T) == 4, "int and float lanes");
   const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  emu_warp_vals[warp][lane] = v;
-  emu_wait(emu_warp_bar[warp], 32);  // every lane has published its value
-  const float r = emu_warp_vals[warp][lane ^ (unsigned)mask];
-  emu_wait(emu_warp_bar[warp], 32);  // every lane has read before anyone writes again
-  return r;
-}
-
-inline int __shfl_sync(unsigned, int v, int src) {
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  emu_warp_ints[warp][lane] = v;
+  memcpy(&emu_warp_words[warp][lane], &v, 4);
   emu_wait(emu_warp_bar[warp], 32);
-  const int r = emu_warp_ints[warp][(unsigned)src & 31u];
+  T r;
+  memcpy(&r, &emu_warp_words[warp][(unsigned)src & 31u], 4);
   emu_wait(emu_warp_bar[warp], 32);
   return r;
 }
 
-inline float __shfl_sync(unsigned, float v, int src) {
-  const unsigned lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  emu_warp_vals[warp][lane] = v;
-  emu_wait(emu_warp_bar[warp], 32);
-  const float r = emu_warp_vals[warp][(unsigned)src & 31u];
-  emu_wait(emu_warp_bar[warp], 32);
-  return r;
+inline float __shfl_xor_sync(unsigned mask, float v, int lane_mask) {
+  return __shfl_sync(mask, v, (int)((threadIdx.x & 31u) ^ (unsigned)lane_mask));
 }
 
 inline void __syncwarp() { emu_wait(emu_warp_bar[threadIdx.x >> 5], 32); }
