@@ -129,11 +129,16 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
         }
       } else {
         const float ks = kvg_fd_scale<FMT>(a, id, 0, kvh);
+        const i64 krow = kvg_fd_row(a, id, 0, off, kvh, a.HD);  // K row's first element
+        const u16* kscales = (const u16*)a.key_scale + ((id * a.L + a.layer) * a.KVH + kvh) * (i64)a.HD;  // q4
         for (int c0 = 0; c0 < kchunks; c0 += KU) {
           // A group past the last chunk rereads it (a valid address) against q's zeros.
           float x[KU][8];
 #pragma unroll
-          for (int u = 0; u < KU; ++u) kvg_fd_key8<FMT>(a, id, off, kvh, 8 * min(c0 + u, kchunks - 1), ks, x[u]);
+          for (int u = 0; u < KU; ++u) {
+            const int d = 8 * min(c0 + u, kchunks - 1);
+            kvg_fd_run<FMT, 8, true>(a, krow + d, ks, kscales + d, 0, x[u]);
+          }
 #pragma unroll
           for (int u = 0; u < KU; ++u) {
             const int d = 8 * (c0 + u);
@@ -194,7 +199,8 @@ __device__ void kvg_decode_split(const DecodeArgs& a) {
             continue;
           }
         }
-        kvg_fd_value<FMT, DPL>(a, row, sc, srow, d0, vx[u]);
+        const u16* vscales = (const u16*)a.cache_scale + (i64)srow * (a.HD / a.group);  // q4
+        kvg_fd_run<FMT, DPL, false>(a, (i64)row * a.HD + d0, sc, vscales, d0, vx[u]);
       }
 #pragma unroll
       for (int u = 0; u < VU; ++u) {

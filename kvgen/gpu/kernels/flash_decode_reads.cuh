@@ -65,42 +65,6 @@ __device__ __forceinline__ float kvg_fd_scale(const DecodeArgs& a, i64 blk, int 
   return 1.0f;
 }
 
-// x[i] = dequantised K element d + i of token (blk, off), i < 8 (d a multiple of 8, < HD).
-template <int FMT>
-__device__ __forceinline__ void kvg_fd_key8(const DecodeArgs& a, i64 blk, int off, int kvh, int d, float s,
-                                            float (&x)[8]) {
-  if constexpr (FMT == KVG_FMT_F32) {
-    const float* p = (const float*)a.cache + kvg_fd_row(a, blk, 0, off, kvh, a.HD) + d;
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      u32 w[4];
-      kvg_fd_bits<16>(p + 4 * c, w);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) x[4 * c + i] = kvg_u2f(w[i]);
-    }
-  } else if constexpr (FMT == KVG_FMT_F16 || FMT == KVG_FMT_BF16) {
-    u32 w[4];
-    kvg_fd_bits<16>((const u16*)a.cache + kvg_fd_row(a, blk, 0, off, kvh, a.HD) + d, w);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const u16 h = (u16)(w[i / 2] >> (16 * (i & 1)));
-      x[i] = FMT == KVG_FMT_F16 ? kvg_f16_to_f32(h) : kvg_bf16_to_f32(h);
-    }
-  } else if constexpr (FMT == KVG_FMT_FP8) {
-    u32 w[2];
-    kvg_fd_bits<8>((const u8*)a.cache + kvg_fd_row(a, blk, 0, off, kvh, a.HD) + d, w);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = kvg_e4m3_to_f32((u8)(w[i / 4] >> (8 * (i & 3)))) * s;
-  } else {  // q4: 8 codes (low nibble first) and their 8 channel scales of the block
-    u32 w[1], sc[4];
-    kvg_fd_bits<4>((const u8*)a.cache + kvg_fd_row(a, blk, 0, off, kvh, a.HD / 2) + (d >> 1), w);
-    kvg_fd_bits<16>((const u16*)a.key_scale + ((blk * a.L + a.layer) * a.KVH + kvh) * (i64)a.HD + d, sc);
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      x[i] = (float)((int)((w[0] >> (4 * i)) & 15u) - 8) * kvg_f16_to_f32((u16)(sc[i / 2] >> (16 * (i & 1))));
-  }
-}
-
 // A token's V row as an index into the store's rows of its width (kvg_fd_row / width, < 2^31:
 // ops.py checks) and, for q4, its row of value scales: computed once by the lane that owns
 // the token in the score pass and shuffled to the warp for the value pass, which so spends a
@@ -112,40 +76,48 @@ __device__ __forceinline__ int kvg_fd_vscale_row(const DecodeArgs& a, int blk, i
   return ((blk * a.L + a.layer) * a.BS + off) * a.KVH + kvh;
 }
 
-// x[i] = dequantised V element d0 + i of the token whose V row is `row` (d0 a multiple of DPL,
-// d0 + DPL <= HD); s: its fp8 block scale; srow: its q4 row of value scales.
-template <int FMT, int DPL>
-__device__ __forceinline__ void kvg_fd_value(const DecodeArgs& a, int row, float s, int srow, int d0,
-                                             float (&x)[DPL]) {
+// x[i] = dequantised element e + i of the store (e: its index among the store's elements, a
+// multiple of N), N = 8 (a K chunk) or DPL (a lane's V dims). s: the fp8 block scale. sc: q4's
+// scales, from the run's first element on: K's per channel, N contiguous halves read in one load
+// (CHANNELS); V's per token and group of `group` dims, the run's dims d0 .. d0 + N of the row.
+template <int FMT, int N, bool CHANNELS>
+__device__ __forceinline__ void kvg_fd_run(const DecodeArgs& a, i64 e, float s, const u16* sc, int d0,
+                                           float (&x)[N]) {
   if constexpr (FMT == KVG_FMT_F32) {
-    const float* p = (const float*)a.cache + (i64)row * a.HD + d0;
 #pragma unroll
-    for (int c = 0; c < DPL / 4; ++c) {
+    for (int c = 0; c < N / 4; ++c) {
       u32 w[4];
-      kvg_fd_bits<16>(p + 4 * c, w);
+      kvg_fd_bits<16>((const float*)a.cache + e + 4 * c, w);
 #pragma unroll
       for (int i = 0; i < 4; ++i) x[4 * c + i] = kvg_u2f(w[i]);
     }
   } else if constexpr (FMT == KVG_FMT_F16 || FMT == KVG_FMT_BF16) {
-    u32 w[DPL / 2];
-    kvg_fd_bits<DPL * 2>((const u16*)a.cache + (i64)row * a.HD + d0, w);
+    u32 w[N / 2];
+    kvg_fd_bits<N * 2>((const u16*)a.cache + e, w);
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) {
+    for (int i = 0; i < N; ++i) {
       const u16 h = (u16)(w[i / 2] >> (16 * (i & 1)));
       x[i] = FMT == KVG_FMT_F16 ? kvg_f16_to_f32(h) : kvg_bf16_to_f32(h);
     }
   } else if constexpr (FMT == KVG_FMT_FP8) {
-    u32 w[DPL / 4];
-    kvg_fd_bits<DPL>((const u8*)a.cache + (i64)row * a.HD + d0, w);
+    u32 w[N / 4];
+    kvg_fd_bits<N>((const u8*)a.cache + e, w);
 #pragma unroll
-    for (int i = 0; i < DPL; ++i) x[i] = kvg_e4m3_to_f32((u8)(w[i / 4] >> (8 * (i & 3)))) * s;
-  } else {  // q4: DPL codes; a scale per token and group of `group` dims
+    for (int i = 0; i < N; ++i) x[i] = kvg_e4m3_to_f32((u8)(w[i / 4] >> (8 * (i & 3)))) * s;
+  } else {  // q4: N codes, low nibble first
     u32 w[1];
-    kvg_fd_bits<DPL / 2>((const u8*)a.cache + (i64)row * (a.HD / 2) + (d0 >> 1), w);
-    const u16* sc = (const u16*)a.cache_scale + (i64)srow * (a.HD / a.group);
+    kvg_fd_bits<N / 2>((const u8*)a.cache + (e >> 1), w);
+    if constexpr (CHANNELS) {
+      u32 c[N / 2];
+      kvg_fd_bits<N * 2>(sc, c);
 #pragma unroll
-    for (int i = 0; i < DPL; ++i)
-      x[i] = (float)((int)((w[0] >> (4 * i)) & 15u) - 8) * kvg_f16_to_f32(sc[(d0 + i) / a.group]);
+      for (int i = 0; i < N; ++i)
+        x[i] = (float)((int)((w[0] >> (4 * i)) & 15u) - 8) * kvg_f16_to_f32((u16)(c[i / 2] >> (16 * (i & 1))));
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        x[i] = (float)((int)((w[0] >> (4 * i)) & 15u) - 8) * kvg_f16_to_f32(sc[(d0 + i) / a.group]);
+    }
   }
 }
 
