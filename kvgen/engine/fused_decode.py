@@ -20,7 +20,7 @@ import math
 
 import numpy as np
 import torch
-from numba import njit
+from numba import njit, prange
 
 from kvgen.engine import cpu_kernels, fused_attention, key_lanes, plain_attention
 from kvgen.engine.blocks import GROUP, BlockLinear
@@ -62,6 +62,67 @@ def _rope(x, head, cos, sin):  # pragma: no cover - compiled
         x[base + 2 * i + 1] = a * sin[i] + b * cos[i]
 
 
+# What a stage of _rows does to each row
+NORM, ADD_NORM, ROPE_WRITE, SILU = 0, 1, 2, 3
+# Rows from which a step's row-by-row stages are cut among the threads (a prompt chunk's: on one
+# thread they were a tenth of a 512-token chunk; a decode step's few rows are not worth waking
+# the other thread for).
+PARALLEL_ROWS = 16
+
+
+@njit(cache=True, nogil=True)
+def _rows(stage, lo, hi, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim, gu,
+          act):  # pragma: no cover - compiled
+    """One stage for rows lo .. hi - 1, each row on its own (the same calls whichever thread or
+    step runs it): NORM x = norm(h) w; ADD_NORM h += add, then NORM; ROPE_WRITE rotates the row's
+    query and key heads in its qkv output (x) and writes its K/V into the plain cache; SILU
+    act = silu(gate) up of its gate_up output (gu)."""
+    if stage == SILU:
+        room = np.empty(act.shape[1], np.float32)
+        for r in range(lo, hi):
+            _silu_mul(gu[r], act[r], room)
+        return
+    if stage == ROPE_WRITE:
+        block, nq, nk = kv.shape[3], heads * head_dim, kv_heads * head_dim
+        for r in range(lo, hi):
+            pos = positions[r]
+            b, off, q = tables[r, pos // block], pos % block, x[r]
+            for hd in range(heads + kv_heads):  # q heads then k heads: adjacent in the fused output
+                _rope(q, hd, cos[pos], sin[pos])
+            for kh in range(kv_heads):
+                for i in range(head_dim):
+                    kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
+                    kv[b, layer, 1, off, kh, i] = q[nq + nk + kh * head_dim + i]
+        return
+    for r in range(lo, hi):
+        if stage == ADD_NORM:
+            for i in range(h.shape[1]):
+                h[r, i] += add[r, i]
+        _rms_norm(h[r], w, eps, x[r])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _rows_parallel(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim, gu,
+                   act):  # pragma: no cover - compiled
+    """_rows over all rows, cut in runs of consecutive rows, one a thread."""
+    rows = positions.shape[0]
+    parts = min(rows, cpu_kernels.PARTS)
+    for part in prange(parts):
+        _rows(stage, part * rows // parts, (part + 1) * rows // parts, h, add, w, eps, x, positions, tables, kv,
+              layer, cos, sin, heads, kv_heads, head_dim, gu, act)
+
+
+@njit(cache=True, nogil=True)
+def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim, gu,
+           act):  # pragma: no cover - compiled
+    if positions.shape[0] >= PARALLEL_ROWS:
+        _rows_parallel(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
+                       gu, act)
+    else:
+        _rows(stage, 0, positions.shape[0], h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads,
+              kv_heads, head_dim, gu, act)
+
+
 @njit(cache=True, nogil=True)
 def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, norm, qkv, o, gate_up, down, head,
           head_q4, cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
@@ -78,51 +139,45 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
     d_out = np.empty((rows, down[1].shape[1] * down[1].shape[-1]), np.float32)
     # the head's rows may outnumber the step's (a row named twice in need)
     room = cpu_kernels.scratch(max(rows, need.shape[0]), max(hidden, inter, heads * head_dim))
-    room_exp = np.empty(inter, np.float32)
     block = kv.shape[3]
     nq, nk = heads * head_dim, kv_heads * head_dim
     plain = kvq[fused_attention.KIND] == fused_attention.PLAIN
     if plain:
         plan, partial = plain_attention.plan(positions, kv_heads, heads // kv_heads, head_dim)
     for layer in range(ln1.shape[0]):
-        for r in range(rows):
-            _rms_norm(h[r], ln1[layer], eps, x[r])
+        # the previous layer's MLP output is added here, with this layer's first norm
+        _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
+               heads, kv_heads, head_dim, gu, act)
         cpu_kernels.q4_linear(x, qkv[0][layer], qkv[1][layer], qkv[2][layer], qkv_out, room)
-        for r in range(rows):
-            pos = positions[r]
-            b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
-            for hd in range(heads + kv_heads):  # q heads then k heads: adjacent in the fused output
-                _rope(q, hd, cos[pos], sin[pos])
-            if kvq[fused_attention.KIND] != fused_attention.PLAIN:  # fp8 / q4 (fused_attention.py)
+        if plain:
+            _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
+                   kv_heads, head_dim, gu, act)
+            if kt.shape[0]:
+                key_lanes.transpose_blocks(kv, layer, blocks, kt)
+            plain_attention.attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att, plan, partial,
+                                   slot, kt)
+        else:  # fp8 / q4 (fused_attention.py): the rows in turn (a block's scales are shared)
+            for r in range(rows):
+                pos = positions[r]
+                b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
+                for hd in range(heads + kv_heads):
+                    _rope(q, hd, cos[pos], sin[pos])
                 qk = kvq[fused_attention.QK]
                 if qk.shape[0]:  # key channels equalised: queries times the scale, keys by it
                     for i in range(nq + nk):
                         q[i] *= qk[layer, i // head_dim, i % head_dim]
                 fused_attention.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
-                continue
-            for kh in range(kv_heads):
-                for i in range(head_dim):
-                    kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
-                    kv[b, layer, 1, off, kh, i] = q[nq + nk + kh * head_dim + i]
-        if plain:
-            if kt.shape[0]:
-                key_lanes.transpose_blocks(kv, layer, blocks, kt)
-            plain_attention.attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att, plan, partial,
-                                   slot, kt)
-        else:
             fused_attention.attend(qkv_out, kvq, layer, tables, positions, heads, kv_heads, head_dim, block, att)
         cpu_kernels.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
-        for r in range(rows):
-            for i in range(hidden):
-                h[r, i] += o_out[r, i]
-            _rms_norm(h[r], ln2[layer], eps, x[r])
+        _stage(ADD_NORM, h, o_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads,
+               head_dim, gu, act)
         cpu_kernels.q4_linear(x, gate_up[0][layer], gate_up[1][layer], gate_up[2][layer], gu, room)
-        for r in range(rows):
-            _silu_mul(gu[r], act[r], room_exp)
+        _stage(SILU, h, d_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
+               gu, act)
         cpu_kernels.q4_linear(act, down[0][layer], down[1][layer], down[2][layer], d_out, room)
-        for r in range(rows):
-            for i in range(hidden):
-                h[r, i] += d_out[r, i]
+    for r in range(rows):
+        for i in range(hidden):
+            h[r, i] += d_out[r, i]
     # logits of the rows asked for only (a prompt chunk needs its last row's; the head is a
     # quarter of a small model's weights), in need's order, a row as often as it is named
     x = np.empty((need.shape[0], hidden), np.float32)
@@ -251,6 +306,11 @@ class FusedDecode:
                                np.zeros(1, np.int64), kt)
         fused_attention.attend(q, tuple(fp8), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                16, out)
+        h = np.zeros((1, cfg.hidden_size), np.float32)
+        gu = np.zeros((1, 2 * cfg.intermediate_size), np.float32)
+        _rows_parallel(SILU, h, h, self.norm, np.float32(cfg.rms_norm_eps), q, positions, tables, kv.numpy(), 0,
+                       self.cos, self.sin, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, gu,
+                       np.zeros((1, cfg.intermediate_size), np.float32))
         self([(0, 0, [0]), (0, 1, [0])], {"kv": kv})
         self([(0, 0, [0])], {"kv": kv})
 

@@ -88,6 +88,27 @@ def test_a_prompt_chunks_rows_equal_the_same_rows_decoded_one_at_a_time():
         assert np.array_equal(attend(shape, kv, tables[r:r + 1], positions[r:r + 1], q[r:r + 1])[0], chunk[r])
 
 
+def test_rows_at_consecutive_positions_of_other_sequences_are_not_bundled_with_a_chunk():
+    """plain_attention reads a tile of keys once for up to BUNDLE consecutive rows of one sequence.
+    A row at the next position of another sequence that shares the chunk's first blocks (a prefix
+    cache hit) but not its last, and a chunk cut by the threads mid-bundle, still get their own
+    keys: every row equals that row attended alone."""
+    shape = SHAPES[0]
+    block = shape[3]
+    kv, tables, _, q = cache(shape, [90] * 70, seed=5)
+    a, b = tables[0].copy(), tables[1].copy()
+    tables[:41] = a  # sequence A: positions 0..40 (not a whole number of bundles)
+    tables[41:] = b  # sequence B: positions 41..69, its first two blocks A's
+    tables[41:, :2] = a[:2]
+    positions = np.arange(70, dtype=np.int64)
+    assert (tables[41, :41 // block + 1] != tables[0, :41 // block + 1]).any()
+    for transposed in (False, True):
+        together = attend(shape, kv, tables, positions, q, transposed=transposed)
+        for r in range(36, 50):
+            alone = attend(shape, kv, tables[r:r + 1], positions[r:r + 1], q[r:r + 1])[0]
+            assert np.array_equal(alone, together[r]), (transposed, r)
+
+
 def test_transpose_blocks_copies_each_blocks_keys_transposed():
     heads, kv_heads, hd, block = SHAPES[1]
     rng = np.random.default_rng(1)
