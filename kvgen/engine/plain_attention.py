@@ -152,7 +152,7 @@ def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out
     per = part_acc.shape[1]  # heads a task
     kvf, ktf, qf, accf = kv.reshape(-1), kt.reshape(-1), q.reshape(-1), part_acc.reshape(-1)
     per_block, per_layer, per_key = kv[0].size, kv[0, 0].size, kv_heads * hd
-    scores, room = np.empty((BUNDLE, per, SPLIT), np.float32), np.empty(SPLIT, np.float32)
+    scores = np.empty((BUNDLE, per, SPLIT), np.float32)
     sf = scores.reshape(-1)
     members, done = np.empty(BUNDLE, np.int64), np.zeros(hi - lo, np.bool_)
     for task in range(lo, hi):
@@ -190,7 +190,7 @@ def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out
             for g in range(per):
                 top = fused_attention.largest(scores[m, g], n_keys)
                 part_top[tm, g] = top
-                part_sum[tm, g] = fused_attention.exp_shifted(scores[m, g], n_keys, top, room)
+                part_sum[tm, g] = fused_attention.exp_shifted(scores[m, g], n_keys, top)
             part_acc[tm] = 0
         t = 0
         while t < most:  # the values, a block's run at a time, for the bundle's rows
