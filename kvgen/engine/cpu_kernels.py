@@ -307,7 +307,8 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
             at = builder.gep(a["x"], [builder.mul(g, _int(32))])
             lo = builder.load(builder.bitcast(at, _F16.as_pointer()), align=4)
             hi = builder.load(builder.bitcast(builder.gep(at, [_int(16)]), _F16.as_pointer()), align=4)
-            s8 = builder.fadd(builder.fadd(half(lo, 8, 0), half(lo, 8, 8)), builder.fadd(half(hi, 8, 0), half(hi, 8, 8)))
+            s8 = builder.fadd(builder.fadd(half(lo, 8, 0), half(lo, 8, 8)),
+                              builder.fadd(half(hi, 8, 0), half(hi, 8, 8)))
             s4 = builder.fadd(pick(s8, [0, 2, 4, 6]), pick(s8, [1, 3, 5, 7]))
             s2 = builder.fadd(pick(s4, [0, 2]), pick(s4, [1, 3]))
             total = builder.fadd(builder.extract_element(s2, _int(0)), builder.extract_element(s2, _int(1)))
@@ -320,9 +321,10 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
             positive = builder.fcmp_ordered(">", top, ir.Constant(f32, 0.0))
             inv = builder.select(positive, builder.fdiv(ir.Constant(f32, 32767.0), top), ir.Constant(f32, 0.0))
             inv = _broadcast16(builder, inv)
-            out = builder.bitcast(builder.gep(a["xq"], [builder.mul(g, _int(32))]), ir.VectorType(_I16, 16).as_pointer())
+            words = ir.VectorType(_I16, 16)
+            out = builder.bitcast(builder.gep(a["xq"], [builder.mul(g, _int(32))]), words.as_pointer())
             for i, v in enumerate((lo, hi)):
-                q = builder.fptosi(builder.call(rint, [builder.fmul(v, inv)]), ir.VectorType(_I16, 16))
+                q = builder.fptosi(builder.call(rint, [builder.fmul(v, inv)]), words)
                 builder.store(q, builder.gep(out, [_int(i)]), align=2)
         return context.get_dummy_value()
 

@@ -32,16 +32,13 @@ import math
 
 import numpy as np
 import torch
-from llvmlite import ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit, prange
 
 from kvgen.engine import (
     cpu_kernels,  # noqa: F401  (first: it points Numba's cache, numba_cache.py)
+    exp_kernels,
     key_lanes,
 )
-from kvgen.engine.cpu_kernels import _FLOATS, LANES, _arguments, _broadcast, _int
 
 PLAIN, FP8, Q4 = 0, 1, 2
 FORMATS = {"fp32": PLAIN, "fp8": FP8, "q4": Q4}
@@ -209,114 +206,6 @@ def _write_q4(codes, vscale, kscale, layer, h, b, off, k, v, group, lut):  # pra
 
 # ---- attend -----------------------------------------------------------------------------
 
-@njit(fastmath=True, nogil=True, inline="always")
-def exp_parts(x, i, room, bits):  # pragma: no cover - compiled
-    """exp(x) = p 2^k for -87 <= x <= 88: room[i] = p and bits[i] = the bits of the float 2^k
-    ((k + 127) << 23, through an int32 view of the caller's output). Cephes' expf: x = k ln 2 + r
-    (ln 2 in two parts), a degree-7 polynomial in r, relative error under 1e-7. Loops of it
-    vectorize, where math.exp is a library call per element (softmax over 512 scores: 3.0 ns a
-    score with math.exp, 1.4-1.9 with this)."""
-    k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))  # float32 (math.floor: an int64)
-    r = x - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
-    y = np.float32(1.9875691500e-4)
-    y = y * r + np.float32(1.3981999507e-3)
-    y = y * r + np.float32(8.3334519073e-3)
-    y = y * r + np.float32(4.1665795894e-2)
-    y = y * r + np.float32(1.6666665459e-1)
-    y = y * r + np.float32(5.0000001201e-1)
-    room[i] = y * (r * r) + r + np.float32(1)
-    bits[i] = (np.int32(k) + 127) << 23
-
-
-def _exp(builder, x, ty):
-    """exp_parts' exp(x) for -87 <= x <= 0 as LLVM IR on x of type ty (a float or a vector of
-    them): the same constants, each multiply-add one fused multiply-add where the CPU has FMA
-    (key_lanes._madd's rule), else a multiply and an add; a lane's result is the same whichever
-    lane or scalar computes it."""
-    vec = isinstance(ty, ir.VectorType)
-    f32 = ir.FloatType()
-    suffix = f"v{ty.count}f32" if vec else "f32"
-
-    def const(v, t=f32):
-        return ir.Constant(ty if t is f32 else ir.VectorType(t, ty.count) if vec else t,
-                           [ir.Constant(t, v)] * ty.count if vec else v)
-
-    def madd(a, b, c):
-        if not key_lanes.FMA:
-            return builder.fadd(builder.fmul(a, b), c)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.{suffix}")
-        return builder.call(fn, [a, b, c])
-
-    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty]), f"llvm.floor.{suffix}")
-    k = builder.call(floor, [madd(x, const(1.44269504), const(0.5))])
-    r = madd(k, const(-0.693359375), x)
-    r = madd(k, const(2.12194440e-4), r)
-    y = const(1.9875691500e-4)
-    for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        y = madd(y, r, const(c))
-    p = builder.fadd(madd(y, builder.fmul(r, r), r), const(1.0))
-    i32 = ir.IntType(32)
-    bits = builder.shl(builder.add(builder.fptosi(k, ir.VectorType(i32, ty.count) if vec else i32), const(127, i32)),
-                       const(23, i32))
-    return builder.fmul(p, builder.bitcast(bits, ty))
-
-
-@intrinsic
-def _exp_shifted(typingctx, s, n, top):
-    """s[:n] = exp(max(s[:n] - top, -87)); returns their sum: LANES lanes' sums added pairwise
-    (lanes l and l + LANES / 2 first), then the last n % LANES in order. A loop of exp_parts did
-    not vectorize (its 2^k went through an int32 view of s itself): 0.57 ns a score."""
-    sig = types.float32(s, n, top)
-
-    def codegen(context, builder, signature, args):
-        a = _arguments(context, builder, signature, args, ("s", "n", "top"))
-        f32 = ir.FloatType()
-        vecs = builder.udiv(a["n"], _int(LANES))
-        total = cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None))
-        floor87 = _broadcast(builder, ir.Constant(f32, -87.0))
-        top = _broadcast(builder, a["top"])
-        with cgutils.for_range(builder, vecs) as loop:
-            at = builder.bitcast(builder.gep(a["s"], [builder.mul(loop.index, _int(LANES))]), _FLOATS.as_pointer())
-            x = builder.fsub(builder.load(at, align=4), top)
-            x = builder.select(builder.fcmp_ordered("<", x, floor87), floor87, x)
-            e = _exp(builder, x, _FLOATS)
-            builder.store(e, at, align=4)
-            builder.store(builder.fadd(builder.load(total), e), total)
-        parts = [builder.extract_element(builder.load(total), _int(i)) for i in range(LANES)]
-        while len(parts) > 1:
-            half = len(parts) // 2
-            parts = [builder.fadd(parts[i], parts[i + half]) for i in range(half)]
-        out = cgutils.alloca_once_value(builder, parts[0])
-        with cgutils.for_range(builder, builder.sub(a["n"], builder.mul(vecs, _int(LANES)))) as loop:
-            at = builder.gep(a["s"], [builder.add(builder.mul(vecs, _int(LANES)), loop.index)])
-            x = builder.fsub(builder.load(at), a["top"])
-            x = builder.select(builder.fcmp_ordered("<", x, ir.Constant(f32, -87.0)), ir.Constant(f32, -87.0), x)
-            e = _exp(builder, x, f32)
-            builder.store(e, at)
-            builder.store(builder.fadd(builder.load(out), e), out)
-        return builder.load(out)
-
-    return sig, codegen
-
-
-@njit(cache=True, nogil=True)
-def exp_shifted(s, n, top):  # pragma: no cover - compiled
-    """s[:n] = exp(s[:n] - top) for scores s <= top (below exp(-87): exp(-87)); returns their sum."""
-    if n > s.shape[0] or not s.flags.c_contiguous:
-        raise ValueError("exp_shifted: n past the scores")
-    return _exp_shifted(s, n, top)
-
-
-@njit(fastmath=True, cache=True, nogil=True)
-def largest(s, n):  # pragma: no cover - compiled
-    """max(s[:n]), for callers compiled without fastmath (with it this loop vectorizes; a max is
-    exact in any order)."""
-    top = np.float32(-np.inf)
-    for p in range(n):
-        top = max(top, s[p])
-    return top
-
-
 @njit(fastmath=True, cache=True, nogil=True)
 def _load(c, layer, kv, b, h, n, tile):  # pragma: no cover - compiled
     """tile[:n] = the first n rows of block b's K (kv=0) or V (1) for head h, as the format's read
@@ -390,8 +279,8 @@ def _attend_split(q, c, layer, table, r, kh, group, n_keys, j0, j1, block, scale
                 key_lanes.scores_rows(tf, t * head_dim, head_dim, qf, r * q.shape[1] + (kh * group + g) * head_dim,
                                       head_dim, scale, sf, g * scores.shape[1] + j * block + t - t0)
     for g in range(group):
-        m = largest(scores[g], width)
-        top[g], total[g] = m, exp_shifted(scores[g], width, m)
+        m = exp_kernels.largest(scores[g], width)
+        top[g], total[g] = m, exp_kernels.exp_shifted(scores[g], width, m)
     for j in range(j0, j1):
         n = min(block, n_keys - j * block)
         _load(c, layer, 1, table[j], kh, n, tile)

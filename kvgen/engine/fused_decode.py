@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kvgen.engine import cpu_kernels, fused_attention, key_lanes, plain_attention
+from kvgen.engine import cpu_kernels, exp_kernels, fused_attention, key_lanes, plain_attention
 from kvgen.engine.blocks import GROUP, BlockLinear
 
 
@@ -34,21 +34,6 @@ def _rms_norm(h, w, eps, out):  # pragma: no cover - compiled
     inv = np.float32(1) / math.sqrt(ss / h.shape[0] + eps)
     for i in range(h.shape[0]):
         out[i] = h[i] * inv * w[i]
-
-
-@njit(fastmath=True, cache=True, nogil=True)
-def _silu_mul(gu, out, room):  # pragma: no cover - compiled
-    """out = silu(gate) * up for one row's gate_up output [gate | up]: exp(-gate) through
-    fused_attention.exp_parts (clamped to its range: past it silu is 0 or the gate to float32's
-    precision), so the loops vectorize (a math.exp per element was a tenth of a 512-token
-    prefill, on one thread)."""
-    n = out.shape[0]
-    bits = out.view(np.int32)
-    for i in range(n):
-        fused_attention.exp_parts(min(max(-gu[i], np.float32(-87.0)), np.float32(88.0)), i, room, bits)
-    for i in range(n):
-        g = gu[i]
-        out[i] = g / (np.float32(1) + out[i] * room[i]) * gu[n + i]
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -78,9 +63,8 @@ def _rows(stage, lo, hi, h, add, w, eps, x, positions, tables, kv, layer, cos, s
     query and key heads in its qkv output (x) and writes its K/V into the plain cache; SILU
     act = silu(gate) up of its gate_up output (gu)."""
     if stage == SILU:
-        room = np.empty(act.shape[1], np.float32)
         for r in range(lo, hi):
-            _silu_mul(gu[r], act[r], room)
+            exp_kernels.silu_mul(gu[r], act[r])
         return
     if stage == ROPE_WRITE:
         block, nq, nk = kv.shape[3], heads * head_dim, kv_heads * head_dim

@@ -19,7 +19,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kvgen.engine import cpu_kernels, fused_attention, key_lanes
+from kvgen.engine import cpu_kernels, exp_kernels, key_lanes
 
 # Keys per attention task: a row's keys go in runs of SPLIT (a multiple of key_lanes.TILE), whose
 # partial softmaxes are merged in order. Fixed, not cut to the batch: a row's sums are then the
@@ -171,13 +171,13 @@ def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out
                 if t >= positions[r + m] + 1 - p0:
                     continue
                 rq, at = (r + m) * q.shape[1], m * per * SPLIT
-                g = 0
-                while transposed and per - g >= 2:  # heads sharing each load of the copy
-                    k = min(per - g, key_lanes.MAX_HEADS)
+                shared = 0
+                while transposed and per - shared >= 2:  # heads sharing each load of the copy
+                    k = min(per - shared, key_lanes.MAX_HEADS)
                     key_lanes.scores_heads(k, ktf, (slot[b] * kv_heads + kh) * hd * block + off, block, qf,
-                                           rq + (h0 + g) * hd, hd, scale, sf, at + g * SPLIT + t, SPLIT)
-                    g += k
-                for g in range(g, per):
+                                           rq + (h0 + shared) * hd, hd, scale, sf, at + shared * SPLIT + t, SPLIT)
+                    shared += k
+                for g in range(shared, per):
                     if transposed:
                         key_lanes.scores_transposed(ktf, (slot[b] * kv_heads + kh) * hd * block + off, block, qf,
                                                     rq + (h0 + g) * hd, hd, scale, sf, at + g * SPLIT + t)
@@ -188,9 +188,9 @@ def _run(lo, hi, q, kv, layer, tables, positions, heads, kv_heads, head_dim, out
             tm, n_keys = members[m], min(SPLIT, positions[r + m] + 1 - p0)
             done[tm - lo] = True
             for g in range(per):
-                top = fused_attention.largest(scores[m, g], n_keys)
+                top = exp_kernels.largest(scores[m, g], n_keys)
                 part_top[tm, g] = top
-                part_sum[tm, g] = fused_attention.exp_shifted(scores[m, g], n_keys, top)
+                part_sum[tm, g] = exp_kernels.exp_shifted(scores[m, g], n_keys, top)
             part_acc[tm] = 0
         t = 0
         while t < most:  # the values, a block's run at a time, for the bundle's rows
