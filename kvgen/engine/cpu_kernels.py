@@ -117,10 +117,10 @@ def _pair(builder, x, index):
     return builder.bitcast(builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES)), _WORDS)
 
 
-def _broadcast(builder, x):
-    """The float x in every lane."""
-    v = builder.insert_element(ir.Constant(_FLOATS, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES))
+def _broadcast(builder, x, ty=_FLOATS):
+    """The float x in every lane of a vector of type ty."""
+    v = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * ty.count))
 
 
 def _splat(builder, ptr):
@@ -320,7 +320,7 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
             builder.store(builder.fdiv(top, ir.Constant(f32, 32767.0)), builder.gep(a["dx"], [g]))
             positive = builder.fcmp_ordered(">", top, ir.Constant(f32, 0.0))
             inv = builder.select(positive, builder.fdiv(ir.Constant(f32, 32767.0), top), ir.Constant(f32, 0.0))
-            inv = _broadcast16(builder, inv)
+            inv = _broadcast(builder, inv, _F16)
             words = ir.VectorType(_I16, 16)
             out = builder.bitcast(builder.gep(a["xq"], [builder.mul(g, _int(32))]), words.as_pointer())
             for i, v in enumerate((lo, hi)):
@@ -330,10 +330,6 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
 
     return sig, codegen
 
-
-def _broadcast16(builder, x):
-    v = builder.insert_element(ir.Constant(_F16, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * 16))
 
 
 @njit(cache=True, nogil=True)

@@ -13,43 +13,63 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.engine import key_lanes
 from kvgen.engine.cpu_kernels import _FLOATS, LANES, _arguments, _broadcast, _int
+from kvgen.engine.key_lanes import _madd
+
+
+def _const(ty, v):
+    """v as a value of type ty: a number, or a vector of them all v."""
+    if isinstance(ty, ir.VectorType):
+        return ir.Constant(ty, [ir.Constant(ty.element, v)] * ty.count)
+    return ir.Constant(ty, v)
+
+
+def _each(builder, n, body, between=None):
+    """body(index, ty, load, store) for indices 0, LANES, 2 LANES ... as vectors of LANES floats
+    (ty _FLOATS), then, after between() where given, for the n % LANES left one float at a time
+    (ty float): the same operations on either, so an element's result does not depend on where
+    it stands."""
+    def vload(ptr):
+        return builder.load(builder.bitcast(ptr, _FLOATS.as_pointer()), align=4)
+
+    def vstore(v, ptr):
+        builder.store(v, builder.bitcast(ptr, _FLOATS.as_pointer()), align=4)
+
+    vecs = builder.udiv(n, _int(LANES))
+    with cgutils.for_range(builder, vecs) as loop:
+        body(builder.mul(loop.index, _int(LANES)), _FLOATS, vload, vstore)
+    if between is not None:
+        between()
+    with cgutils.for_range(builder, builder.sub(n, builder.mul(vecs, _int(LANES)))) as loop:
+        body(builder.add(builder.mul(vecs, _int(LANES)), loop.index), ir.FloatType(), builder.load,
+             lambda v, ptr: builder.store(v, ptr))
 
 
 def exp_ir(builder, x, ty):
     """exp(x) for -87 <= x <= 88 as LLVM IR on x of type ty (a float or a vector of them): Cephes'
     expf, x = k ln 2 + r (ln 2 in two parts), a degree-7 polynomial in r (relative error under
-    1e-7) times 2^k made from its bits. Each multiply-add is one fused multiply-add where the CPU
-    has FMA (key_lanes._madd's rule), else a multiply and an add: a lane's result is the same
-    whichever lane or scalar computes it. math.exp is a library call per element, which no
-    loop vectorizes."""
-    vec = isinstance(ty, ir.VectorType)
-    f32 = ir.FloatType()
-    suffix = f"v{ty.count}f32" if vec else "f32"
-
-    def const(v, t=f32):
-        return ir.Constant(ty if t is f32 else ir.VectorType(t, ty.count) if vec else t,
-                           [ir.Constant(t, v)] * ty.count if vec else v)
-
-    def madd(a, b, c):
-        if not key_lanes.FMA:
-            return builder.fadd(builder.fmul(a, b), c)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.{suffix}")
-        return builder.call(fn, [a, b, c])
-
-    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty]), f"llvm.floor.{suffix}")
-    k = builder.call(floor, [madd(x, const(1.44269504), const(0.5))])
-    r = madd(k, const(-0.693359375), x)
-    r = madd(k, const(2.12194440e-4), r)
-    y = const(1.9875691500e-4)
+    1e-7) times 2^k made from its bits. Each multiply-add is key_lanes._madd (one fused
+    multiply-add where the CPU has FMA): a lane's result is the same whichever lane or scalar
+    computes it. math.exp is a library call per element, which no loop vectorizes."""
+    floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty]),
+                                           f"llvm.floor.v{ty.count}f32" if isinstance(ty, ir.VectorType)
+                                           else "llvm.floor.f32")
+    k = builder.call(floor, [_madd(builder, x, _const(ty, 1.44269504), _const(ty, 0.5))])
+    r = _madd(builder, k, _const(ty, -0.693359375), x)
+    r = _madd(builder, k, _const(ty, 2.12194440e-4), r)
+    y = _const(ty, 1.9875691500e-4)
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        y = madd(y, r, const(c))
-    p = builder.fadd(madd(y, builder.fmul(r, r), r), const(1.0))
-    i32 = ir.IntType(32)
-    bits = builder.shl(builder.add(builder.fptosi(k, ir.VectorType(i32, ty.count) if vec else i32), const(127, i32)),
-                       const(23, i32))
+        y = _madd(builder, y, r, _const(ty, c))
+    p = builder.fadd(_madd(builder, y, builder.fmul(r, r), r), _const(ty, 1.0))
+    ints = ir.VectorType(ir.IntType(32), ty.count) if isinstance(ty, ir.VectorType) else ir.IntType(32)
+    bits = builder.shl(builder.add(builder.fptosi(k, ints), _const(ints, 127)), _const(ints, 23))
     return builder.fmul(p, builder.bitcast(bits, ty))
+
+
+def _clamp(builder, x, ty, lo, hi=None):
+    """x limited to lo .. hi (hi None: no upper limit)."""
+    x = builder.select(builder.fcmp_ordered("<", x, _const(ty, lo)), _const(ty, lo), x)
+    return x if hi is None else builder.select(builder.fcmp_ordered(">", x, _const(ty, hi)), _const(ty, hi), x)
 
 
 @intrinsic
@@ -61,31 +81,25 @@ def _exp_shifted(typingctx, s, n, top):
 
     def codegen(context, builder, signature, args):
         a = _arguments(context, builder, signature, args, ("s", "n", "top"))
-        f32 = ir.FloatType()
-        vecs = builder.udiv(a["n"], _int(LANES))
-        total = cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None))
-        floor87 = _broadcast(builder, ir.Constant(f32, -87.0))
-        top = _broadcast(builder, a["top"])
-        with cgutils.for_range(builder, vecs) as loop:
-            at = builder.bitcast(builder.gep(a["s"], [builder.mul(loop.index, _int(LANES))]), _FLOATS.as_pointer())
-            x = builder.fsub(builder.load(at, align=4), top)
-            x = builder.select(builder.fcmp_ordered("<", x, floor87), floor87, x)
-            e = exp_ir(builder, x, _FLOATS)
-            builder.store(e, at, align=4)
-            builder.store(builder.fadd(builder.load(total), e), total)
-        parts = [builder.extract_element(builder.load(total), _int(i)) for i in range(LANES)]
-        while len(parts) > 1:
-            half = len(parts) // 2
-            parts = [builder.fadd(parts[i], parts[i + half]) for i in range(half)]
-        out = cgutils.alloca_once_value(builder, parts[0])
-        with cgutils.for_range(builder, builder.sub(a["n"], builder.mul(vecs, _int(LANES)))) as loop:
-            at = builder.gep(a["s"], [builder.add(builder.mul(vecs, _int(LANES)), loop.index)])
-            x = builder.fsub(builder.load(at), a["top"])
-            x = builder.select(builder.fcmp_ordered("<", x, ir.Constant(f32, -87.0)), ir.Constant(f32, -87.0), x)
-            e = exp_ir(builder, x, f32)
-            builder.store(e, at)
-            builder.store(builder.fadd(builder.load(out), e), out)
-        return builder.load(out)
+        sums = {_FLOATS: cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)),
+                ir.FloatType(): cgutils.alloca_once_value(builder, _const(ir.FloatType(), 0.0))}
+
+        def shifted(at, ty, load, store):
+            ptr = builder.gep(a["s"], [at])
+            top = a["top"] if ty == ir.FloatType() else _broadcast(builder, a["top"])
+            e = exp_ir(builder, _clamp(builder, builder.fsub(load(ptr), top), ty, -87.0), ty)
+            store(e, ptr)
+            builder.store(builder.fadd(builder.load(sums[ty]), e), sums[ty])
+
+        def reduce():  # the vectors' lanes added pairwise, where the rest's sum starts
+            parts = [builder.extract_element(builder.load(sums[_FLOATS]), _int(i)) for i in range(LANES)]
+            while len(parts) > 1:
+                half = len(parts) // 2
+                parts = [builder.fadd(parts[i], parts[i + half]) for i in range(half)]
+            builder.store(parts[0], sums[ir.FloatType()])
+
+        _each(builder, a["n"], shifted, between=reduce)
+        return builder.load(sums[ir.FloatType()])
 
     return sig, codegen
 
@@ -111,9 +125,8 @@ def largest(s, n):  # pragma: no cover - compiled
 @intrinsic
 def _silu_mul_ir(typingctx, gu, out, n):
     """out[i] = gate / (1 + exp(-gate)) * up for i < n, gate = gu[i], up = gu[n + i], exp's argument
-    clamped to -87 .. 88 (past it silu is 0 or the gate to float32's precision): LANES at a time,
-    then the rest one at a time with the same operations (exp_ir). A Numba loop
-    of the same polynomial took 2.2 ns an element, a sixteenth of a 512-token prefill."""
+    clamped to -87 .. 88 (past it silu is 0 or the gate to float32's precision), through _each. A
+    Numba loop of the same polynomial took 2.2 ns an element, a sixteenth of a 512-token prefill."""
     sig = types.void(gu, out, n)
 
     def codegen(context, builder, signature, args):
@@ -121,26 +134,10 @@ def _silu_mul_ir(typingctx, gu, out, n):
 
         def silu(at, ty, load, store):
             g, u = load(builder.gep(a["gu"], [at])), load(builder.gep(a["gu"], [builder.add(a["n"], at)]))
-            const = (lambda v: _broadcast(builder, ir.Constant(ir.FloatType(), v))) if ty is _FLOATS else \
-                (lambda v: ir.Constant(ir.FloatType(), v))
-            x = builder.fmul(g, const(-1.0))
-            x = builder.select(builder.fcmp_ordered("<", x, const(-87.0)), const(-87.0), x)
-            x = builder.select(builder.fcmp_ordered(">", x, const(88.0)), const(88.0), x)
-            e = exp_ir(builder, x, ty)
-            store(builder.fmul(builder.fdiv(g, builder.fadd(const(1.0), e)), u), builder.gep(a["out"], [at]))
+            e = exp_ir(builder, _clamp(builder, builder.fmul(g, _const(ty, -1.0)), ty, -87.0, 88.0), ty)
+            store(builder.fmul(builder.fdiv(g, builder.fadd(_const(ty, 1.0), e)), u), builder.gep(a["out"], [at]))
 
-        def vload(ptr):
-            return builder.load(builder.bitcast(ptr, _FLOATS.as_pointer()), align=4)
-
-        def vstore(v, ptr):
-            builder.store(v, builder.bitcast(ptr, _FLOATS.as_pointer()), align=4)
-
-        vecs = builder.udiv(a["n"], _int(LANES))
-        with cgutils.for_range(builder, vecs) as loop:
-            silu(builder.mul(loop.index, _int(LANES)), _FLOATS, vload, vstore)
-        with cgutils.for_range(builder, builder.sub(a["n"], builder.mul(vecs, _int(LANES)))) as loop:
-            silu(builder.add(builder.mul(vecs, _int(LANES)), loop.index), ir.FloatType(), builder.load,
-                 lambda v, ptr: builder.store(v, ptr))
+        _each(builder, a["n"], silu)
         return context.get_dummy_value()
 
     return sig, codegen

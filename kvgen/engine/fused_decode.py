@@ -47,6 +47,14 @@ def _rope(x, head, cos, sin):  # pragma: no cover - compiled
         x[base + 2 * i + 1] = a * sin[i] + b * cos[i]
 
 
+@njit(cache=True, nogil=True)
+def _rope_row(q, pos, heads, cos, sin):  # pragma: no cover - compiled
+    """Rotate a row's first `heads` heads of its qkv output at position pos: the query heads then
+    the key heads, adjacent in the fused output."""
+    for hd in range(heads):
+        _rope(q, hd, cos[pos], sin[pos])
+
+
 # What a stage of _rows does to each row
 NORM, ADD_NORM, ROPE_WRITE, SILU = 0, 1, 2, 3
 # Rows from which a step's row-by-row stages are cut among the threads (a prompt chunk's: on one
@@ -71,8 +79,7 @@ def _rows(stage, lo, hi, h, add, w, eps, x, positions, tables, kv, layer, cos, s
         for r in range(lo, hi):
             pos = positions[r]
             b, off, q = tables[r, pos // block], pos % block, x[r]
-            for hd in range(heads + kv_heads):  # q heads then k heads: adjacent in the fused output
-                _rope(q, hd, cos[pos], sin[pos])
+            _rope_row(q, pos, heads + kv_heads, cos, sin)
             for kh in range(kv_heads):
                 for i in range(head_dim):
                     kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
@@ -144,8 +151,7 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
             for r in range(rows):
                 pos = positions[r]
                 b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
-                for hd in range(heads + kv_heads):
-                    _rope(q, hd, cos[pos], sin[pos])
+                _rope_row(q, pos, heads + kv_heads, cos, sin)
                 qk = kvq[fused_attention.QK]
                 if qk.shape[0]:  # key channels equalised: queries times the scale, keys by it
                     for i in range(nq + nk):

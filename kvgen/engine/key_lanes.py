@@ -58,11 +58,12 @@ FMA = "+fma" in FEATURES.split(",")
 
 
 def _madd(builder, a, b, c):
-    """a b + c, rounded once where the CPU has FMA."""
+    """a b + c (floats, or vectors of them), rounded once where the CPU has FMA."""
     if not FMA:
         return builder.fadd(builder.fmul(a, b), c)
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3),
-                                        f"llvm.fma.v{LANES}f32")
+    ty = a.type
+    suffix = f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.{suffix}")
     return builder.call(fn, [a, b, c])
 
 

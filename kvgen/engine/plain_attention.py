@@ -6,10 +6,10 @@ of several runs merges their partial softmaxes in order (FlashDecoding with a fi
 row's sums do not depend on the batch, and one row of 1k keys still keeps both cores busy).
 The scores and weighted values are key_lanes.py's kernels. A thread takes the tasks of up to
 BUNDLE consecutive rows of one sequence together, reading each tile of keys and block of values
-once for them (30 layers of a 512-token chunk's attention: ~110 -> ~88 ms). Every head's arithmetic is the same
-whatever else its task or step holds, so a row's output is the same bits in any step: a prompt
-token's K/V and logits are those of the same token decoded alone (the batch invariance and
-the prefix cache's exactness rest on that).
+once for them (30 layers of a 512-token chunk's attention: ~110 -> ~88 ms). Every head's
+arithmetic is the same whatever else its task or step holds, so a row's output is the same bits
+in any step: a prompt token's K/V and logits are those of the same token decoded alone (the
+batch invariance and the prefix cache's exactness rest on that).
 """
 
 from __future__ import annotations
