@@ -139,13 +139,14 @@ class ModelInfo:
     kv_blocks_total: int
     device: str
     prefix_cache: bool
+    cpu_kernels: str = ""  # the CPU kernel path of gguf weights ("" where none runs)
     raw: pb.GetModelInfoResponse | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, m: pb.GetModelInfoResponse) -> ModelInfo:
         return cls(m.name, m.architecture, m.context_length, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads,
                    m.head_dim, m.kv_dtype, m.weight_dtype, m.has_chat_template, tuple(m.eos_token_ids),
-                   m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m)
+                   m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m.cpu_kernels, m)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from kvgen.engine import loader
+from kvgen.engine import cpu_kernels, loader
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.calibration import calibrate_format
 from kvgen.engine.constraint import Grammars
@@ -59,7 +59,17 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
     model = Model(cfg, weights, weight_dtype, device, blocks=src.get("blocks"))
     if weight_dtype != model.weight_dtype:
         log.info("WEIGHT_DTYPE=%s chose %s on %s", weight_dtype, model.weight_dtype, device)
+    if kernel_path(model):
+        log.info("CPU block kernels: %s", kernel_path(model))
     return model, tokenizer
+
+
+def kernel_path(model: Model) -> str:
+    """GetModelInfo.cpu_kernels: the code path the block kernels run on, where gguf weights run on
+    the CPU (cpu_kernels.path(), from the CPU's features); empty elsewhere."""
+    if model.weight_dtype != "gguf" or model.device.type != "cpu":
+        return ""
+    return cpu_kernels.path()
 
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:

@@ -15,7 +15,7 @@ import torch
 
 from kvgen.engine import cpu_kernels
 from kvgen.engine.blocks import GROUP, BlockLinear, Blocks
-from kvgen.engine.generator import load_model
+from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
 from tests.engine.test_loader import all_logits, bpe, chunkings, gguf_base, logits_at_chunk_ends, token_sequences  # noqa: F401  (fixtures)
 from tests.tiny import write_gguf
@@ -80,17 +80,18 @@ def test_kernels_multiply_int16_activations_exactly(qtype, rows):
     assert ((got - (x @ torch.from_numpy(ref).T + bias)).abs() <= bound + 1e-5).all()
 
 
-PATHS = {"avx512": ("+avx512vnni", (True, True, False)), "avx2": ("+avx512bw", (True, False, False)),
-         "portable": ("+avx2", (False, False, False))}
+PATHS = {"amx": ("+amx-int8", (True, True, True, False)), "avx512": ("+avx512vnni", (True, True, False, False)),
+         "avx2": ("+avx512bw", (True, False, False, False)), "portable": ("+avx2", (False, False, False, False))}
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_every_kernel_path_gives_the_same_bits(path):
-    """With AVX512-VNNI the kernels call vpdpwssd, with AVX-512 the 512-bit pmaddwd, with AVX2 the
-    256-bit one, elsewhere LLVM lowers a portable multiply-add. All sum the same integers and
-    scale them by the same float operations: a build for this CPU without the feature
-    (NUMBA_CPU_FEATURES, in a process with a cache of its own) gives bit-identical outputs, at 1
-    row and at 9 (two calls of 4 rows and one of 1)."""
+    """With AMX-INT8 a call of 16 rows or more runs on tiles (amx_kernels.py), with AVX512-VNNI
+    the kernels call vpdpwssd, with AVX-512 the 512-bit pmaddwd, with AVX2 the 256-bit one,
+    elsewhere LLVM lowers a portable multiply-add. All sum the same integers and scale them by
+    the same float operations: a build for this CPU without the feature (NUMBA_CPU_FEATURES, in a
+    process with a cache of its own) gives bit-identical outputs, at 1 row, at 9 (two calls of 4
+    rows and one of 1) and at 40 (tiles where there are)."""
     drop, flags = PATHS[path]
     if drop not in cpu_kernels.FEATURES.split(","):
         pytest.skip(f"this CPU has no {drop[1:]}: the {path} path is what runs here")
@@ -98,19 +99,19 @@ def test_every_kernel_path_gives_the_same_bits(path):
         "import numpy as np, sys, torch; from kvgen.engine import cpu_kernels; "
         "from kvgen.engine.blocks import BlockLinear, Blocks; "
         "from tests.engine.test_blocks import TYPES, quantized; "
-        f"assert (cpu_kernels.PMADDWD, cpu_kernels.WIDE, cpu_kernels.VNNI) == {flags}; "
-        "x = torch.randn(9, 160, generator=torch.Generator().manual_seed(9)); "
+        f"assert (cpu_kernels.PMADDWD, cpu_kernels.WIDE, cpu_kernels.VNNI, cpu_kernels.AMX) == {flags}; "
+        "x = torch.randn(40, 160, generator=torch.Generator().manual_seed(9)); "
         "out = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
-        "for q in TYPES for r in (1, 9)]; torch.save(out, sys.argv[1])")
+        "for q in TYPES for r in (1, 9, 40)]; torch.save(out, sys.argv[1])")
     with tempfile.TemporaryDirectory() as d:
         features = cpu_kernels.FEATURES.replace(drop, "-" + drop[1:])
         env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=d)
         subprocess.run([sys.executable, "-c", code, f"{d}/out.pt"], env=env, check=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[2])
         other = torch.load(f"{d}/out.pt")
-    x = torch.randn(9, 160, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(9))
     native = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r])
-              for q in TYPES for r in (1, 9)]
+              for q in TYPES for r in (1, 9, 40)]
     for a, b in zip(native, other, strict=True):
         assert torch.equal(a, b)
 
@@ -152,6 +153,8 @@ def test_gguf_weights_compute_the_files_fp32_model(gguf_base, bpe, tmp_path, qty
     fp32_model, _ = load_model(str(path), "fp32")
     assert blocks_model.weight_dtype == "gguf" and fp32_model.weight_dtype == "fp32"
     assert isinstance(blocks_model.layers[0].qkv, BlockLinear) and isinstance(blocks_model.lm_head, BlockLinear)
+    # GetModelInfo.cpu_kernels: the blocks' code path on this CPU; none for fp32 weights
+    assert kernel_path(blocks_model) == cpu_kernels.path() != "" and kernel_path(fp32_model) == ""
     for ids in token_sequences(cfg.vocab_size, bpe)[1:]:
         whole = all_logits(blocks_model, ids), all_logits(fp32_model, ids)
         decode = chunkings(len(ids))[1]  # prefill 10, a chunk of 7, then one-row steps (the kernels)

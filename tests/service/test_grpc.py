@@ -167,6 +167,7 @@ def test_model_info(stub):
     assert info.vocab_size == 49152 and info.context_length == 8192
     assert info.has_chat_template and list(info.eos_token_ids) == [2]
     assert info.kv_dtype == "fp32" and info.kv_blocks_total > 0
+    assert info.weight_dtype == "fp32" and info.cpu_kernels == ""  # no block kernels run fp32 weights
 
 
 def test_health_serving(server):

@@ -16,6 +16,7 @@ import pytest
 
 from kvgen import client
 from kvgen.client import Client
+from kvgen.engine import cpu_kernels
 from kvgen.v1 import generate_pb2 as pb
 from tests.conftest import free_port
 
@@ -56,7 +57,10 @@ def test_make_serve_streams_tokens():
         page = urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5).read().decode()
         assert "kvgen_kv_blocks_total" in page
         # WEIGHT_DTYPE=auto on the CPU: the GGUF's own blocks, named in GetModelInfo
-        assert client.model_info().weight_dtype == "gguf"
+        info = client.model_info()
+        assert info.weight_dtype == "gguf"
+        # and the kernels' code path, chosen from this CPU's features (this process's own choice)
+        assert info.cpu_kernels == cpu_kernels.path()
         client.close()
     finally:
         stop_group(proc)

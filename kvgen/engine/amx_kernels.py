@@ -1,0 +1,311 @@
+"""The block matmuls of cpu_kernels.py on AMX tiles, for steps of many rows (prompt chunks).
+
+cpu_kernels' pmaddwd / vpdpwssd kernels multiply int16 activations by the weights' codes 32 pairs
+an instruction. A CPU with AMX-INT8 (Sapphire Rapids and later) multiplies a 16 x 64 tile of
+bytes by a 64 x 16 one, 16 K multiply-adds, in one TDPBUSD / TDPBSSD. The activations are int16,
+so each is split in its bytes, x = 256 hi + lo (lo unsigned, hi signed), and a block's dot
+product is 256 (hi . w) + (lo . w): two tile products, the same exact integer as cpu_kernels'.
+The rest is cpu_kernels' float epilogue, the same operations in the same order, so every row's
+output is bit-identical to what the vector kernels give it (a test holds both to that): a prompt
+row's K/V and logits stay those of the same token decoded alone.
+
+A tile of output rows (TILE = 16 weight rows) runs over all the call's activation rows, 16 at a
+time. For each 32-input block g: its weight codes are unpacked once a call from cpu_kernels'
+layout into a B tile (8 rows of [row c, 4 inputs] bytes: TDP's layout) in a per-thread buffer;
+the activation bytes are A tiles read straight from the split arrays (16 rows x 32 bytes); the
+two int32 products go to memory, and the epilogue adds d (dx dot) + m xs into 16 float vectors,
+one per activation row, kept in registers over the blocks.
+
+Linux hands a process the AMX state only when asked (cpu_kernels asks); where that fails, or
+the CPU (or NUMBA_CPU_FEATURES) has no AMX-INT8, AMX is False and the vector kernels run every
+step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from kvgen.engine import cpu_kernels
+from kvgen.engine.cpu_kernels import _FLOATS, _I8, _I32, PARTS, TILE, _arguments, _int, _lanes
+
+# Rows from which a call takes the tiles: below that the vector kernels' 4-row passes cost less
+# than a 16-row tile pass padded with unused rows.
+AMX_FROM = 16
+_ROWS = 16  # activation rows a tile holds
+# Weight tiles unpacked at a time, each then run over all the rows: their B tiles stay in cache
+# (36-96 KB) while a row block's A tiles are read for 8 of them (one at a time, the A tiles of a
+# 512-row chunk came from L2 again for every weight tile: 1.6x slower a row than at 64 rows).
+TILES_AT_ONCE = 8
+
+
+AMX = cpu_kernels.AMX
+
+_VOID, _PTR = ir.VoidType(), ir.IntType(8).as_pointer()
+
+
+def _amx(builder, name, *args):
+    """One AMX instruction (the tile-number forms: tiles are numbered immediates)."""
+    kinds = [a.type for a in args]
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VOID, kinds), f"llvm.x86.{name}")
+    return builder.call(fn, list(args))
+
+
+def _tile(n):
+    return ir.Constant(_I8, n)
+
+
+# Tiles: 2, 3 the lo and hi activation bytes (16 rows x 32); per weight tile of a pass (two at
+# most), its lo and hi products (16 x 16 int32) and its weight block (8 rows of 16 x 4 bytes).
+A_LO, A_HI = 2, 3
+PRODUCTS = ((0, 1, 4), (5, 6, 7))
+
+
+def tile_config() -> np.ndarray:
+    """The 64-byte LDTILECFG operand for the tiles above (palette 1)."""
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1
+    colsb, rows = cfg[16:48].view(np.uint16), cfg[48:64]
+    shapes = {A_LO: (_ROWS, 32), A_HI: (_ROWS, 32)}
+    for lo, hi, b in PRODUCTS:
+        shapes.update({lo: (_ROWS, 64), hi: (_ROWS, 64), b: (8, 64)})
+    for t, (r, c) in shapes.items():
+        rows[t], colsb[t] = r, c
+    return cfg
+
+
+@intrinsic
+def _configure(typingctx, cfg):
+    """LDTILECFG cfg: each thread that runs tiles loads the configuration itself."""
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        _amx(builder, "ldtilecfg", builder.bitcast(data, _PTR))
+        return context.get_dummy_value()
+
+    return types.void(cfg), codegen
+
+
+@intrinsic
+def _release(typingctx):
+    """TILERELEASE: the thread's tiles go back to their initial state (no 8 KB to save on a switch)."""
+    def codegen(context, builder, signature, args):
+        _amx(builder, "tilerelease")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+def _unpack(kind: str):
+    """An intrinsic: the weight blocks of one tile (cpu_kernels' layout) as B tiles, 512 bytes a block."""
+    pairs = 8 if kind == "q4" else 16
+    half = ir.VectorType(_I8, 32)
+    words = ir.VectorType(ir.IntType(16), 16)
+    row = ir.VectorType(_I8, 64)
+
+    @intrinsic
+    def unpack(typingctx, codes, base, groups, out):
+        def codegen(context, builder, signature, args):
+            a = _arguments(context, builder, signature, args, ("codes", "base", "groups", "out"))
+            with cgutils.for_range(builder, a["groups"]) as loop:
+                g = loop.index
+                q = builder.gep(a["codes"], [builder.add(a["base"], builder.mul(g, _int(pairs * TILE * 2)))])
+                dst = builder.gep(a["out"], [builder.mul(g, _int(512))])
+                for j in range(pairs // 2):  # B row j: inputs 4j .. 4j + 3 of each weight row
+                    w0, w1 = (builder.bitcast(builder.load(builder.bitcast(builder.gep(q, [_int(32 * p)]),
+                                                                           half.as_pointer()), align=1), words)
+                              for p in (2 * j, 2 * j + 1))
+                    # pair 2j's two bytes of row c, then pair 2j + 1's: row c's 4 inputs in a row
+                    b = builder.bitcast(builder.shuffle_vector(w0, w1, _lanes(_I32, [v for c in range(16)
+                                                                                    for v in (c, 16 + c)])), row)
+                    if kind == "q4":  # low nibbles: inputs 4j ..; high nibbles: 16 + 4j ..
+                        put = [(j, builder.and_(b, _lanes(_I8, [15] * 64))),
+                               (j + 4, builder.lshr(b, _lanes(_I8, [4] * 64)))]
+                    else:
+                        put = [(j, b)]
+                    for at, v in put:
+                        builder.store(v, builder.bitcast(builder.gep(dst, [_int(64 * at)]), row.as_pointer()),
+                                      align=64)
+            return context.get_dummy_value()
+
+        return types.void(codes, base, groups, out), codegen
+
+    return unpack
+
+
+def _tile_pass(kind: str, width: int):
+    """An intrinsic: the output columns of `width` consecutive weight tiles (their B tiles one after
+    the other in b) for activation rows r0 .. r0 + 15 (those below `rows`): y[r, c] = sum over
+    blocks g of d[c, g] (dx[r, g] dot[r, c, g]) + m[c, g] xs[r, g], as cpu_kernels._tile_linear
+    computes it, the dots from the tiles. Two tiles a pass share the A tiles, and their four
+    products are independent: one pass's tile instructions wait less on each other's results."""
+    names = ("b", "groups", "a", "r0", "rows", "dx", "xs", "d", "m", "dbase", "y", "ybase", "ystride", "c")
+
+    @intrinsic
+    def tile_pass(typingctx, b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c):
+        sig = types.void(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+
+        def codegen(context, builder, signature, args):
+            a = _arguments(context, builder, signature, args, names)
+            at = lambda ptr, *terms: builder.gep(ptr, [cpu_kernels._sum(builder, terms)])  # noqa: E731
+            # padding rows (past `rows`) read row r0's scales and are not stored
+            mine = [builder.select(builder.icmp_signed("<", builder.add(a["r0"], _int(i)), a["rows"]),
+                                   builder.add(a["r0"], _int(i)), a["r0"]) for i in range(_ROWS)]
+            total = [[cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(_ROWS)]
+                     for _ in range(width)]
+            ints = builder.bitcast(a["c"], cpu_kernels._INTS.as_pointer())
+            c = builder.bitcast(a["c"], _PTR)
+            with cgutils.for_range(builder, a["groups"]) as loop:
+                g = loop.index
+                # split()'s run for rows r0.. and block g: 16 x 32 lo bytes, then the hi bytes
+                first = builder.mul(builder.add(builder.mul(a["r0"], a["groups"]), builder.mul(g, _int(_ROWS))),
+                                    _int(64))
+                _amx(builder, "tileloadd64", _tile(A_LO), builder.bitcast(at(a["a"], first), _PTR), _int(32))
+                _amx(builder, "tileloadd64", _tile(A_HI), builder.bitcast(at(a["a"], first, _int(512)), _PTR),
+                     _int(32))
+                for w in range(width):
+                    lo, hi, bt = PRODUCTS[w]
+                    at_b = at(a["b"], builder.mul(builder.add(g, builder.mul(a["groups"], _int(w))), _int(512)))
+                    _amx(builder, "tileloadd64", _tile(bt), builder.bitcast(at_b, _PTR), _int(64))
+                    _amx(builder, "tilezero", _tile(lo))
+                    _amx(builder, "tilezero", _tile(hi))
+                    _amx(builder, "tdpbusd", _tile(lo), _tile(A_LO), _tile(bt))
+                    _amx(builder, "tdpbssd", _tile(hi), _tile(A_HI), _tile(bt))
+                for w in range(width):
+                    lo, hi, _ = PRODUCTS[w]
+                    _amx(builder, "tilestored64", _tile(lo), builder.gep(c, [_int(2048 * w)]), _int(64))
+                    _amx(builder, "tilestored64", _tile(hi), builder.gep(c, [_int(2048 * w + 1024)]), _int(64))
+                for w in range(width):
+                    col = (a["dbase"], builder.mul(builder.add(g, builder.mul(a["groups"], _int(w))), _int(TILE)))
+                    dv = builder.load(builder.bitcast(at(a["d"], *col), _FLOATS.as_pointer()), align=4)
+                    mv = builder.load(builder.bitcast(at(a["m"], *col), _FLOATS.as_pointer()), align=4) \
+                        if kind == "q4" else None
+                    for i in range(_ROWS):
+                        lo_dot = builder.load(builder.gep(ints, [_int(2 * _ROWS * w + i)]), align=64)
+                        hi_dot = builder.load(builder.gep(ints, [_int(2 * _ROWS * w + _ROWS + i)]), align=64)
+                        dot = builder.add(builder.shl(hi_dot, _lanes(_I32, [8] * TILE)), lo_dot)
+                        block = (builder.mul(mine[i], a["groups"]), g)
+                        # cpu_kernels._tile_linear's epilogue, operation for operation
+                        term = builder.fmul(dv, builder.fmul(cpu_kernels._splat(builder, at(a["dx"], *block)),
+                                                             builder.sitofp(dot, _FLOATS)))
+                        if kind == "q4":
+                            term = builder.fadd(term, builder.fmul(mv, cpu_kernels._splat(builder,
+                                                                                        at(a["xs"], *block))))
+                        builder.store(builder.fadd(builder.load(total[w][i]), term), total[w][i])
+            for i in range(_ROWS):
+                r = builder.add(a["r0"], _int(i))
+                with builder.if_then(builder.icmp_signed("<", r, a["rows"])):
+                    for w in range(width):
+                        out = at(a["y"], a["ybase"], builder.mul(a["ystride"], r), _int(TILE * w))
+                        builder.store(builder.load(total[w][i]), builder.bitcast(out, _FLOATS.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_pass
+
+
+_unpack_q4, _unpack_q8 = _unpack("q4"), _unpack("q8")
+_pass_q4, _pass_q8 = _tile_pass("q4", 1), _tile_pass("q8", 1)
+_pass2_q4, _pass2_q8 = _tile_pass("q4", 2), _tile_pass("q8", 2)
+_CONFIG = tile_config()
+
+
+@intrinsic
+def _block_bytes(typingctx, src, at, out, base):
+    """32 int16 from src[at] -> their low bytes at out[base], their high bytes 512 further on."""
+    words, half = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I8, 32)
+
+    def codegen(context, builder, signature, args):
+        a = _arguments(context, builder, signature, args, ("src", "at", "out", "base"))
+        v = builder.load(builder.bitcast(builder.gep(a["src"], [a["at"]]), words.as_pointer()), align=2)
+        to = builder.gep(a["out"], [a["base"]])
+        builder.store(builder.trunc(v, half), builder.bitcast(to, half.as_pointer()), align=1)
+        high = builder.trunc(builder.lshr(v, _lanes(ir.IntType(16), [8] * 32)), half)
+        builder.store(high, builder.bitcast(builder.gep(to, [_int(_ROWS * 32)]), half.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return types.void(src, at, out, base), codegen
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def split(xq):  # pragma: no cover - compiled
+    """xq [M, K] int16 -> its bytes as A tiles: [row block, block g, lo | hi, 16 rows, 32] uint8,
+    xq = 256 hi + lo (lo unsigned, hi signed), one 1 KB run a tile pass reads whole. The row
+    blocks of the last tile are padded (those rows' outputs are never stored)."""
+    rows, k = xq.shape
+    groups = k // 32
+    out = np.empty(-(-rows // _ROWS) * groups * 2 * _ROWS * 32, np.uint8)
+    src = xq.reshape(-1)
+    parts = min(rows, PARTS)
+    for part in prange(parts):
+        for r in range(part * rows // parts, (part + 1) * rows // parts):
+            for g in range(groups):
+                _block_bytes(src, r * k + g * 32, out, (((r // _ROWS) * groups + g) * 2 * _ROWS + r % _ROWS) * 32)
+    return out
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
+    """cpu_kernels.q4_matmul on tiles (same arguments, same bits)."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    cpu_kernels._check(xq, dx, qs, 8, d, y)
+    cpu_kernels._check(xq, xs, qs, 8, m, y)
+    tiles_a = split(xq)
+    codes, dxf, xsf, df, mf, yf = qs.reshape(-1), dx.reshape(-1), xs.reshape(-1), d.reshape(-1), m.reshape(-1), \
+        y.reshape(-1)
+    per_tile = codes.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        b, c = np.empty(TILES_AT_ONCE * groups * 512 + 64, np.int8), np.empty(4 * _ROWS * TILE + 16, np.int32)
+        b, c = b[-b.ctypes.data % 64:], c[(-c.ctypes.data % 64) // 4:]  # 64-byte aligned
+        _configure(_CONFIG)
+        lo_t, hi_t = part * tiles // parts, (part + 1) * tiles // parts
+        for t0 in range(lo_t, hi_t, TILES_AT_ONCE):
+            n = min(TILES_AT_ONCE, hi_t - t0)
+            for j in range(n):
+                _unpack_q4(codes, (t0 + j) * per_tile, groups, b[j * groups * 512:])
+            for r0 in range(0, rows, _ROWS):
+                for j in range(0, n, 2):
+                    t = t0 + j
+                    if n - j >= 2:
+                        _pass2_q4(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, xsf, df, mf,
+                                   t * groups * TILE, yf, t * TILE, y.shape[1], c)
+                    else:
+                        _pass_q4(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, xsf, df, mf,
+                                  t * groups * TILE, yf, t * TILE, y.shape[1], c)
+        _release()
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
+    """cpu_kernels.q8_matmul on tiles (same arguments, same bits)."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    cpu_kernels._check(xq, dx, qs, 16, d, y)
+    tiles_a = split(xq)
+    codes, dxf, df, yf = qs.reshape(-1), dx.reshape(-1), d.reshape(-1), y.reshape(-1)
+    per_tile = codes.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        b, c = np.empty(TILES_AT_ONCE * groups * 512 + 64, np.int8), np.empty(4 * _ROWS * TILE + 16, np.int32)
+        b, c = b[-b.ctypes.data % 64:], c[(-c.ctypes.data % 64) // 4:]
+        _configure(_CONFIG)
+        lo_t, hi_t = part * tiles // parts, (part + 1) * tiles // parts
+        for t0 in range(lo_t, hi_t, TILES_AT_ONCE):
+            n = min(TILES_AT_ONCE, hi_t - t0)
+            for j in range(n):
+                _unpack_q8(codes, (t0 + j) * per_tile, groups, b[j * groups * 512:])
+            for r0 in range(0, rows, _ROWS):
+                for j in range(0, n, 2):
+                    t = t0 + j
+                    if n - j >= 2:
+                        _pass2_q8(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, dxf, df, df,
+                                   t * groups * TILE, yf, t * TILE, y.shape[1], c)
+                    else:
+                        _pass_q8(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, dxf, df, df,
+                                  t * groups * TILE, yf, t * TILE, y.shape[1], c)
+        _release()
