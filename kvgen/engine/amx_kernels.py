@@ -247,65 +247,60 @@ def split(xq):  # pragma: no cover - compiled
     return out
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
     """cpu_kernels.q4_matmul on tiles (same arguments, same bits)."""
-    rows, k = xq.shape
-    tiles, groups = qs.shape[0], qs.shape[1]
     cpu_kernels._check(xq, dx, qs, 8, d, y)
     cpu_kernels._check(xq, xs, qs, 8, m, y)
+    _matmul(True, xq, dx, xs, qs, d, m, y)
+
+
+@njit(cache=True, nogil=True)
+def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
+    """cpu_kernels.q8_matmul on tiles (same arguments, same bits)."""
+    cpu_kernels._check(xq, dx, qs, 16, d, y)
+    _matmul(False, xq, dx, dx, qs, d, d, y)  # Q8_0 has no m: its xs and m are never read
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _matmul(q4, xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
+    """The weight tiles cut in runs, one a thread; each run TILES_AT_ONCE tiles at a time, unpacked,
+    then every row block through them, two tiles a pass."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
     tiles_a = split(xq)
     codes, dxf, xsf, df, mf, yf = qs.reshape(-1), dx.reshape(-1), xs.reshape(-1), d.reshape(-1), m.reshape(-1), \
         y.reshape(-1)
-    per_tile = codes.size // tiles
+    per_tile, per_b = codes.size // tiles, groups * 512
     parts = min(tiles, PARTS)
     for part in prange(parts):
-        b, c = np.empty(TILES_AT_ONCE * groups * 512 + 64, np.int8), np.empty(4 * _ROWS * TILE + 16, np.int32)
+        b, c = np.empty(TILES_AT_ONCE * per_b + 64, np.int8), np.empty(4 * _ROWS * TILE + 16, np.int32)
         b, c = b[-b.ctypes.data % 64:], c[(-c.ctypes.data % 64) // 4:]  # 64-byte aligned
         _configure(_CONFIG)
-        lo_t, hi_t = part * tiles // parts, (part + 1) * tiles // parts
-        for t0 in range(lo_t, hi_t, TILES_AT_ONCE):
-            n = min(TILES_AT_ONCE, hi_t - t0)
+        first, end = part * tiles // parts, (part + 1) * tiles // parts
+        for t0 in range(first, end, TILES_AT_ONCE):
+            n = min(TILES_AT_ONCE, end - t0)
             for j in range(n):
-                _unpack_q4(codes, (t0 + j) * per_tile, groups, b[j * groups * 512:])
+                if q4:
+                    _unpack_q4(codes, (t0 + j) * per_tile, groups, b[j * per_b:])
+                else:
+                    _unpack_q8(codes, (t0 + j) * per_tile, groups, b[j * per_b:])
             for r0 in range(0, rows, _ROWS):
                 for j in range(0, n, 2):
                     t = t0 + j
-                    if n - j >= 2:
-                        _pass2_q4(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, xsf, df, mf,
-                                   t * groups * TILE, yf, t * TILE, y.shape[1], c)
-                    else:
-                        _pass_q4(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, xsf, df, mf,
-                                  t * groups * TILE, yf, t * TILE, y.shape[1], c)
+                    _pass(q4, n - j >= 2, b[j * per_b:], groups, tiles_a, r0, rows, dxf, xsf, df, mf,
+                          t * groups * TILE, yf, t * TILE, y.shape[1], c)
         _release()
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
-    """cpu_kernels.q8_matmul on tiles (same arguments, same bits)."""
-    rows, k = xq.shape
-    tiles, groups = qs.shape[0], qs.shape[1]
-    cpu_kernels._check(xq, dx, qs, 16, d, y)
-    tiles_a = split(xq)
-    codes, dxf, df, yf = qs.reshape(-1), dx.reshape(-1), d.reshape(-1), y.reshape(-1)
-    per_tile = codes.size // tiles
-    parts = min(tiles, PARTS)
-    for part in prange(parts):
-        b, c = np.empty(TILES_AT_ONCE * groups * 512 + 64, np.int8), np.empty(4 * _ROWS * TILE + 16, np.int32)
-        b, c = b[-b.ctypes.data % 64:], c[(-c.ctypes.data % 64) // 4:]
-        _configure(_CONFIG)
-        lo_t, hi_t = part * tiles // parts, (part + 1) * tiles // parts
-        for t0 in range(lo_t, hi_t, TILES_AT_ONCE):
-            n = min(TILES_AT_ONCE, hi_t - t0)
-            for j in range(n):
-                _unpack_q8(codes, (t0 + j) * per_tile, groups, b[j * groups * 512:])
-            for r0 in range(0, rows, _ROWS):
-                for j in range(0, n, 2):
-                    t = t0 + j
-                    if n - j >= 2:
-                        _pass2_q8(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, dxf, df, df,
-                                   t * groups * TILE, yf, t * TILE, y.shape[1], c)
-                    else:
-                        _pass_q8(b[j * groups * 512:], groups, tiles_a, r0, rows, dxf, dxf, df, df,
-                                  t * groups * TILE, yf, t * TILE, y.shape[1], c)
-        _release()
+@njit(nogil=True, inline="always")
+def _pass(q4, two, b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c):  # pragma: no cover
+    """Numba cannot pick an intrinsic from a tuple: the variants spelled out."""
+    if q4 and two:
+        _pass2_q4(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+    elif q4:
+        _pass_q4(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+    elif two:
+        _pass2_q8(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+    else:
+        _pass_q8(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvgen.engine import cpu_kernels
+from kvgen.engine import amx_kernels, cpu_kernels
 from kvgen.engine.cpu_kernels import TILE
 
 GROUP = 32
@@ -109,6 +109,14 @@ def compile_kernels() -> None:
     for dtype in (np.uint8, np.int8):
         cpu_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
         cpu_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
+    if cpu_kernels.AMX:  # the tiles' kernels too, callees first: split, _matmul, then its wrappers
+        amx_kernels.split(xq)
+        for dtype in (np.uint8, np.int8):
+            for pairs in (8, 16):
+                amx_kernels._matmul(pairs == 8, xq, dx, xs, np.zeros((1, 1, pairs, TILE, 2), dtype), d, d, y)
+        for dtype in (np.uint8, np.int8):
+            amx_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
+            amx_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
     cpu_kernels.q4_linear(x, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y, room)
     cpu_kernels.q8_linear(x, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y, room)
 

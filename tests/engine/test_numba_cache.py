@@ -20,6 +20,10 @@ y, d = np.zeros((2, ck.TILE), np.float32), np.zeros((1, 2, ck.TILE), np.float32)
 xq, dx, xs = ck.quantize(x)
 ck.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), d, d, y)
 ck.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), d, y)
+if ck.AMX:  # and the tiles' kernels (amx_kernels.py), where this CPU runs them
+    from kvgen.engine import amx_kernels as ak
+    ak.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), d, d, y)
+    ak.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), d, y)
 """
 START = "from kvgen.engine.blocks import compile_kernels; compile_kernels()"
 
