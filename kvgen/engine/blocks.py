@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvgen.engine import amx_kernels, cpu_kernels
+from kvgen.engine import amx_kernels, block_matmul, cpu_kernels
 from kvgen.engine.cpu_kernels import TILE
 
 GROUP = 32
@@ -117,8 +117,8 @@ def compile_kernels() -> None:
         for dtype in (np.uint8, np.int8):
             amx_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
             amx_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
-    cpu_kernels.q4_linear(x, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y, room)
-    cpu_kernels.q8_linear(x, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y, room)
+    block_matmul.q4_linear(x, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y, room)
+    block_matmul.q8_linear(x, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y, room)
 
 
 class BlockLinear:
@@ -148,9 +148,9 @@ class BlockLinear:
         y = np.empty((x.shape[0], self.d.shape[0] * TILE), np.float32)
         room = cpu_kernels.scratch(*x.shape)
         if self.kind == "q4":
-            cpu_kernels.q4_linear(x, self.qs, self.d, self.m, y, room)
+            block_matmul.q4_linear(x, self.qs, self.d, self.m, y, room)
         else:
-            cpu_kernels.q8_linear(x, self.qs, self.d, y, room)
+            block_matmul.q8_linear(x, self.qs, self.d, y, room)
         out = torch.from_numpy(y)
         if y.shape[1] != self.out_features:
             out = out[:, :self.out_features]

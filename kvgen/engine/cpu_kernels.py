@@ -356,27 +356,6 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
 
 
 
-@njit(cache=True, nogil=True)
-def q4_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
-    """y = x W^T for a Q4_0 / Q4_1 weight in blocks: x rounded to int16 into room (a scratch),
-    then the block kernel."""
-    xq, dx, xs = _round(x, room[0], room[1], room[2])
-    if AMX and x.shape[0] >= amx_kernels.AMX_FROM:
-        amx_kernels.q4_matmul(xq, dx, xs, qs, d, m, y)
-    else:
-        q4_matmul(xq, dx, xs, qs, d, m, y)
-
-
-@njit(cache=True, nogil=True)
-def q8_linear(x, qs, d, y, room):  # pragma: no cover - compiled
-    """y = x W^T for a Q8_0 weight in blocks (as q4_linear)."""
-    xq, dx, _ = _round(x, room[0], room[1], room[2])
-    if AMX and x.shape[0] >= amx_kernels.AMX_FROM:
-        amx_kernels.q8_matmul(xq, dx, qs, d, y)
-    else:
-        q8_matmul(xq, dx, qs, d, y)
-
-
 # The rows of a call go ROWS_AT_ONCE at a time; Numba cannot pick an intrinsic from a tuple, so
 # the choice of variant is spelled out.
 
@@ -449,7 +428,3 @@ def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
             for r0 in range(0, rows, ROWS_AT_ONCE):
                 _q8_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
                          r0 * groups, df, df, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
-
-
-# Last: amx_kernels builds on the helpers above (and q4_linear / q8_linear call it when compiled).
-from kvgen.engine import amx_kernels  # noqa: E402

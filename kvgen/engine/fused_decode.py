@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kvgen.engine import cpu_kernels, exp_kernels, fused_attention, key_lanes, plain_attention
+from kvgen.engine import block_matmul, cpu_kernels, exp_kernels, fused_attention, key_lanes, plain_attention
 from kvgen.engine.blocks import GROUP, BlockLinear
 
 
@@ -139,7 +139,7 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
         # the previous layer's MLP output is added here, with this layer's first norm
         _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
                heads, kv_heads, head_dim, gu, act)
-        cpu_kernels.q4_linear(x, qkv[0][layer], qkv[1][layer], qkv[2][layer], qkv_out, room)
+        block_matmul.q4_linear(x, qkv[0][layer], qkv[1][layer], qkv[2][layer], qkv_out, room)
         if plain:
             _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
                    kv_heads, head_dim, gu, act)
@@ -158,13 +158,13 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
                         q[i] *= qk[layer, i // head_dim, i % head_dim]
                 fused_attention.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
             fused_attention.attend(qkv_out, kvq, layer, tables, positions, heads, kv_heads, head_dim, block, att)
-        cpu_kernels.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
+        block_matmul.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
         _stage(ADD_NORM, h, o_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads,
                head_dim, gu, act)
-        cpu_kernels.q4_linear(x, gate_up[0][layer], gate_up[1][layer], gate_up[2][layer], gu, room)
+        block_matmul.q4_linear(x, gate_up[0][layer], gate_up[1][layer], gate_up[2][layer], gu, room)
         _stage(SILU, h, d_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
                gu, act)
-        cpu_kernels.q4_linear(act, down[0][layer], down[1][layer], down[2][layer], d_out, room)
+        block_matmul.q4_linear(act, down[0][layer], down[1][layer], down[2][layer], d_out, room)
     for r in range(rows):
         for i in range(hidden):
             h[r, i] += d_out[r, i]
@@ -176,9 +176,9 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
     for r in range(features.shape[0]):  # every row's final-norm hidden state, where asked (EAGLE)
         _rms_norm(h[r], norm, eps, features[r])
     if head_q4:
-        cpu_kernels.q4_linear(x, head[0], head[1], head[2], logits, room)
+        block_matmul.q4_linear(x, head[0], head[1], head[2], logits, room)
     else:
-        cpu_kernels.q8_linear(x, head[0], head[1], logits, room)
+        block_matmul.q8_linear(x, head[0], head[1], logits, room)
 
 
 # Rows of one sequence in a step from which its blocks are transposed once a layer for them all
