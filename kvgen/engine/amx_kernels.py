@@ -17,8 +17,8 @@ two int32 products go to memory, and the epilogue adds d (dx dot) + m xs into 16
 one per activation row, kept in registers over the blocks.
 
 Linux hands a process the AMX state only when asked (cpu_kernels asks); where that fails, or
-the CPU (or NUMBA_CPU_FEATURES) has no AMX-INT8, AMX is False and the vector kernels run every
-step.
+the CPU (or NUMBA_CPU_FEATURES) has no AMX-INT8, cpu_kernels.AMX is False and the vector kernels
+run every step (block_matmul.py chooses).
 """
 
 from __future__ import annotations
@@ -36,13 +36,11 @@ from kvgen.engine.cpu_kernels import _FLOATS, _I8, _I32, PARTS, TILE, _arguments
 # than a 16-row tile pass padded with unused rows.
 AMX_FROM = 16
 _ROWS = 16  # activation rows a tile holds
-# Weight tiles unpacked at a time, each then run over all the rows: their B tiles stay in cache
-# (36-96 KB) while a row block's A tiles are read for 8 of them (one at a time, the A tiles of a
-# 512-row chunk came from L2 again for every weight tile: 1.6x slower a row than at 64 rows).
+# Weight tiles unpacked at a time, each then run over all the rows: their B tiles stay in L2
+# (74 KB at 576 inputs, 196 KB at 1536) while a row block's A tiles are read for 8 of them (one
+# at a time, the A tiles of a 512-row chunk came from L2 again for every weight tile: 1.6x
+# slower a row than at 64 rows).
 TILES_AT_ONCE = 8
-
-
-AMX = cpu_kernels.AMX
 
 _VOID, _PTR = ir.VoidType(), ir.IntType(8).as_pointer()
 
@@ -266,7 +264,7 @@ def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
 def _matmul(q4, xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
     """The weight tiles cut in runs, one a thread; each run TILES_AT_ONCE tiles at a time, unpacked,
     then every row block through them, two tiles a pass."""
-    rows, k = xq.shape
+    rows = xq.shape[0]
     tiles, groups = qs.shape[0], qs.shape[1]
     tiles_a = split(xq)
     codes, dxf, xsf, df, mf, yf = qs.reshape(-1), dx.reshape(-1), xs.reshape(-1), d.reshape(-1), m.reshape(-1), \

@@ -13,6 +13,7 @@ from kvgen.engine import amx_kernels, cpu_kernels
 # AMX-INT8 cannot even compile their intrinsics.
 AMX = cpu_kernels.AMX
 
+
 @njit(cache=True, nogil=True)
 def q4_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
     """y = x W^T for a Q4_0 / Q4_1 weight in blocks: x rounded to int16 into room (a scratch),

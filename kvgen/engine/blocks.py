@@ -112,9 +112,7 @@ def compile_kernels() -> None:
     if cpu_kernels.AMX:  # the tiles' kernels too, callees first: split, _matmul, then its wrappers
         amx_kernels.split(xq)
         for dtype in (np.uint8, np.int8):
-            for pairs in (8, 16):
-                amx_kernels._matmul(pairs == 8, xq, dx, xs, np.zeros((1, 1, pairs, TILE, 2), dtype), d, d, y)
-        for dtype in (np.uint8, np.int8):
+            amx_kernels._matmul(True, xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
             amx_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
             amx_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
     block_matmul.q4_linear(x, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y, room)

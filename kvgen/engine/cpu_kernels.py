@@ -73,6 +73,7 @@ ROWS_AT_ONCE = 4
 PARTS = numba.config.NUMBA_NUM_THREADS
 numba.config.THREADING_LAYER = "omp"  # the same runtime kind as torch's (see Threads above)
 
+
 def _request_amx() -> bool:
     """Ask Linux for the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)): a
     process that has not gets killed by its first tile instruction."""
