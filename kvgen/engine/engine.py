@@ -22,7 +22,7 @@ from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import sample, token_logprobs
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import FinishReason, Sequence
-from kvgen.engine.speculative import accept, draft_cap
+from kvgen.engine.speculative import accept, draft_cap, worth_catching_up
 from kvgen.errors import Overloaded
 
 log = logging.getLogger("kvgen.engine")
@@ -309,6 +309,11 @@ class Engine:
                 seq.draft_length.k = min(seq.draft_length.k, self.drafter.first_k)
             # k drafts yield up to k + 1 tokens: never more than the request may still take
             left = min(seq.params.max_new_tokens - len(seq.output_ids), room - seq.num_tokens) - 1
+            # a fresh request's draft reads its prompt as the target just did (worth it at low
+            # load, where requests start drafting); one that decoded plain under load may be a
+            # whole context behind with a few tokens to go
+            if len(seq.output_ids) > 1 and not worth_catching_up(self.drafter.lag(seq), left + 1):
+                continue
             k = min(cap, seq.draft_length.k, left)
             if k > 0:
                 wanted.append((seq, k))

@@ -80,6 +80,12 @@ class DraftModel:
             live = still
         return out
 
+    def lag(self, seq) -> int:
+        """The tokens of seq the draft must prefill before its next draft (all of them at first)."""
+        held = self._caches.get(seq)
+        tokens = seq.tokens
+        return len(tokens) - (min(_common_prefix(held[1], tokens), len(tokens) - 1) if held else 0)
+
     def forget(self, seq) -> None:
         """seq is done: its draft blocks go back."""
         held = self._caches.pop(seq, None)

@@ -28,6 +28,10 @@ class PromptLookup:
                 out[seq] = (draft, None)
         return out
 
+    def lag(self, seq) -> int:
+        """Nothing to read before drafting: a lookup reads the tokens as they are."""
+        return 0
+
     def forget(self, seq) -> None:
         """Nothing is kept per sequence."""
 

@@ -1,9 +1,10 @@
-"""Each sequence's draft length follows its acceptance with the seeds' thresholds, and the batch
-size caps it."""
+"""Each sequence's draft length follows its acceptance with the seeds' thresholds, the batch
+size caps it, and a draft model far behind a sequence with little left to take does not start."""
 
 from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.sampling import SamplingParams
-from kvgen.engine.speculative import DraftLength, draft_cap
+from kvgen.engine.speculative import DraftLength, draft_cap, worth_catching_up
+from kvgen.engine.speculative.policy import CATCH_UP
 from tests.engine.test_batch_invariance import small_model
 
 
@@ -92,3 +93,41 @@ def test_model_drafters_start_at_one_token_and_grow_with_acceptance():
             gen.close()
     assert asked["draft"][:5] == [1, 2, 3, 4, 5]
     assert asked["ngram"][0] == 4
+
+
+def test_a_drafter_catches_up_only_for_enough_tokens_left():
+    assert worth_catching_up(0, 1)
+    assert worth_catching_up(CATCH_UP * 40, 40)
+    assert not worth_catching_up(CATCH_UP * 40 + 1, 40)
+
+
+def test_when_load_falls_a_draft_model_far_behind_does_not_start():
+    """8 requests of staggered lengths over a batch cap of 4: nobody drafts until 4 are done
+    (26 tokens); the draft model is then a whole context behind the rest. The one with 174
+    tokens left catches up and drafts; those with 4-8 left decode plain to the end. Once
+    caught up, the draft lags one token (the target's own) or two (after a fully kept draft)."""
+    small = small_model()
+    gen = Generator(*small, EngineOptions(speculative="draft", speculative_tokens=4, speculative_max_batch=4,
+                                          max_running=8), draft_model=small[0])
+    drafter = gen.engine.drafter
+    propose, asked = drafter.propose, []
+
+    def spy(wanted):
+        asked.extend((seq.params.max_new_tokens, drafter.lag(seq), seq.params.max_new_tokens - len(seq.output_ids))
+                     for seq, _ in wanted)
+        return propose(wanted)
+
+    drafter.propose = spy
+    prompt = "the cat sat on the mat and then the dog ran to the cat while it sat on the mat"
+    lengths = [20, 22, 24, 26, 30, 32, 34, 200]
+    try:
+        out = gen.batch_generate([prompt] * 8, [SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+                                                for n in lengths])
+    finally:
+        gen.close()
+    assert [len(r.token_ids) for r in out] == lengths
+    assert {n for n, _, _ in asked} == {200}
+    first_lag = asked[0][1]
+    assert first_lag > 26  # the prompt and the tokens decoded under load
+    assert all(worth_catching_up(lag, left) for _, lag, left in asked)
+    assert all(lag <= 2 for _, lag, _ in asked[1:])
