@@ -6,7 +6,8 @@ and 16 concurrent streams, speculation on against off. Writes bench/results/spec
 kvgen runs in process (Generator, the engine the server drives), greedy, up to 128 new tokens
 (EOS banned, for both engines: every completion has the same length); decode rate = (tokens - 1) / time after the first
 token, per prompt, then the mean over a set. Drafters: ngram (prompt lookup) on the default weights,
-draft (the embedded model at int4 weights drafting for the fp32 one).
+draft (the embedded model's own Q4_1 blocks, DRAFT_WEIGHT_DTYPE's default, drafting for it at fp32
+weights).
 
     make bench-speculative    (or .venv/bin/python bench/speculative.py [--new-tokens N])
 """
@@ -86,8 +87,8 @@ def llamacpp(prompts: list[str], new_tokens: int, draft_tokens: int, eos_ids: li
 
 
 # (drafter, weights): prompt lookup on the default weights (gguf: drafts are verified as rows of the
-# fused decode step) against plain decoding on them; the int4 draft model for an fp32 target (an
-# int4 draft is slower than the gguf target it would draft for)
+# fused decode step) against plain decoding on them; the gguf draft model for an fp32 target (a
+# draft no faster than its target, as gguf drafting for gguf, cannot pay)
 RUNS = (("off", "auto"), ("ngram", "auto"), ("off", "fp32"), ("draft", "fp32"))
 # an EAGLE head trained here (make eagle-head; none can be downloaded), where one was
 EAGLE_HEAD = Path(__file__).resolve().parent / ".cache" / "eagle" / "smollm2-135m-eagle.safetensors"
@@ -109,7 +110,7 @@ def main() -> int:
     t_start = time.perf_counter()
     path = embedded_model_path()
     models = {w: load_model(path, w) for w in ("auto", "fp32")}
-    draft = load_model(path, "int4")[0]
+    draft = load_model(path, "auto")[0]  # DRAFT_WEIGHT_DTYPE's default: the GGUF's own blocks
     opts = EngineOptions(speculative_tokens=5)
     rows, accept = {}, {}
     # The drafters of one weight setting alternate round by round (a neighbour's burst of load on
@@ -180,7 +181,8 @@ def render(rows, peer_rows, accept, args, seconds: float, default: str, runs=RUN
         f"The embedded SmolLM2-135M; greedy, {args.new_tokens} new tokens (EOS banned in both engines); decode "
         f"tok/s after the first token, the best of {args.rounds} alternating rounds per prompt, mean over each "
         f"set's prompts. Default weights: `WEIGHT_DTYPE=auto` ({default}), prompt lookup against plain decoding; "
-        "fp32: the int4 draft model against plain fp32 decoding. "
+        "fp32: the draft model at the default DRAFT_WEIGHT_DTYPE (auto: the GGUF's own Q4_1 blocks) against "
+        "plain fp32 decoding. "
         "llama.cpp: llama-cpp-python on the same Q4_1 GGUF, plain and with LlamaPromptLookupDecoding "
         "(its prompt lookup), same prompts, same run.",
         "",

@@ -105,6 +105,10 @@ def _make_drafter(model: Model, opts: EngineOptions, model_path: str, draft: Mod
     if draft is None:
         draft = _load_model(opts.draft_model or model_path or loader.embedded_model_path(),
                             opts.draft_weight_dtype, str(model.device))[0]
+        if not opts.draft_model and draft.weight_dtype == model.weight_dtype:
+            log.warning("SPECULATIVE=draft: the draft is the served model at its own weights (%s), so a drafted "
+                        "token costs as much as decoding it; set DRAFT_WEIGHT_DTYPE or DRAFT_MODEL, or use "
+                        "SPECULATIVE=ngram", model.weight_dtype)
     if draft.cfg.vocab_size != model.cfg.vocab_size:
         raise ValueError(f"DRAFT_MODEL has {draft.cfg.vocab_size} tokens; the served model {model.cfg.vocab_size}: "
                          "a draft must share the target's vocabulary")

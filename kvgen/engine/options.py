@@ -50,7 +50,8 @@ class EngineOptions:
                                             "pays at low load)")
     draft_model: str = setting("", "the drafting model for SPECULATIVE=draft: a GGUF file or HF folder with the "
                                    "target's vocabulary (empty: the served model itself)", shown="the served model")
-    draft_weight_dtype: str = setting("int4", "the draft model's weight storage: fp32, bf16, int8 or int4")
+    draft_weight_dtype: str = setting("auto", "the draft model's weight storage, as WEIGHT_DTYPE: auto (on the CPU a "
+                                              "GGUF's own Q4/Q8 blocks, else fp32), fp32, bf16, int8, int4 or gguf")
     draft_kv_mb: float = setting(128.0, "memory for the draft model's (or EAGLE head's) own KV block pool, MB")
     eagle_head: str = setting("", "the EAGLE head of SPECULATIVE=eagle: a .safetensors file (or a folder with "
                                   "model.safetensors) in EAGLE-1's layout, sized for the served model", shown="(none)")

@@ -1,5 +1,6 @@
 """Drafting with a cheaper model that shares the target's vocabulary (DRAFT_MODEL, at
-DRAFT_WEIGHT_DTYPE: by default the embedded model at int4 weights drafting for the fp32 one).
+DRAFT_WEIGHT_DTYPE: by default the embedded model's own Q4_1 blocks on the CPU drafting for it at
+fp32 weights: ~5x faster per token than the fp32 model, and it agrees with it almost always).
 
 The draft keeps its own paged KV, in a BlockPool of its own (DRAFT_KV_MB) of the same block and
 table machinery as the target's: its blocks never compete with the requests' own, so drafting

@@ -208,20 +208,23 @@ def int4_draft():
 
 
 def _oracle_check(embedded, int4_draft, prompts, concurrent, hf_model):
-    """Each drafter's greedy tokens equal plain decoding's; the draft model's also equal
-    transformers' greedy generate on the same GGUF (the oracle), prompt by prompt."""
+    """Each drafter's greedy tokens equal plain decoding's (the draft model at int4 weights, and at
+    the default DRAFT_WEIGHT_DTYPE, gguf blocks); they also equal transformers' greedy generate on
+    the same GGUF (the oracle), prompt by prompt."""
     params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
     plain = Generator(*embedded, EngineOptions())
     gens = [Generator(*embedded, EngineOptions(speculative="ngram")),
-            Generator(*embedded, EngineOptions(speculative="draft"), draft_model=int4_draft)]
+            Generator(*embedded, EngineOptions(speculative="draft"), draft_model=int4_draft),
+            Generator(*embedded, EngineOptions(speculative="draft"))]  # the default draft: its own Q4_1 blocks
     try:
+        assert gens[2].engine.drafter.model.weight_dtype == "gguf"
         want = _generate(plain, prompts, params, concurrent)
         for g in gens:
             got = _generate(g, prompts, params, concurrent)
             assert got == want
             assert g.scheduler.kv.used == 0
-        engine = gens[1].engine  # the draft model did draft, and was right
-        assert engine.drafted_tokens > 0 and engine.accepted_tokens > 0
+        for g in gens[1:]:  # each draft model did draft, and was right
+            assert g.engine.drafted_tokens > 0 and g.engine.accepted_tokens > 0
         for prompt, tokens in zip(prompts, got, strict=True):
             assert tokens == hf_greedy(hf_model[0], plain.tokenize(prompt), 32), prompt
     finally:
