@@ -22,12 +22,13 @@ FIRST_K = 4  # a sequence's draft length until its first check (drafters may sta
 # A draft model must first read the context it has not seen (its own prefill) before it drafts.
 # Under load nobody drafts (draft_cap), so when load falls a long-running sequence's draft is far
 # behind: 16 streams of staggered lengths lost 12-42% to the last ones catching up ~150 tokens to
-# draft their last 6-48 (int4 draft, fp32 target, Sapphire Rapids). Measured there: catching up
-# costs ~3 ms a token, an accepted draft saves ~24 ms of target time at batch 1 and ~4 ms at
-# batch 8 (where drafting resumes). So a sequence resumes only when its lag is at most CATCH_UP
-# times the tokens it may still take: right at batch 4-8, cautious at batch 1. (A lookup's lag
-# is 0; a fresh request's first draft is left to the draft_cap: its lag is its prompt, and the
-# break-even, ~8 tokens of lag a token left at batch 1, favours it where requests start alone.)
+# draft their last 6-48 (int4 draft, fp32 target, Sapphire Rapids). There catching up cost ~3 ms
+# a token (measured), and an accepted draft saves an estimated ~24 ms of target time at batch 1
+# and ~4 ms at batch 8, where drafting resumes (from the bench's decode rates and speed-ups).
+# So a sequence resumes only when its lag is at most CATCH_UP times the tokens it may still take:
+# right at batch 4-8, cautious at batch 1. (A lookup's lag is 0; a fresh request's first draft is
+# left to the draft_cap: its lag is its prompt, and the break-even, ~8 tokens of lag a token left
+# at batch 1, favours it where requests start alone.)
 CATCH_UP = 2
 
 
