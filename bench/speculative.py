@@ -112,7 +112,7 @@ def main() -> int:
     models = {w: load_model(path, w) for w in ("auto", "fp32")}
     draft = load_model(path, "auto")[0]  # DRAFT_WEIGHT_DTYPE's default: the GGUF's own blocks
     opts = EngineOptions(speculative_tokens=5)
-    rows, accept = {}, {}
+    rows, accept, stream_accept = {}, {}, {}  # (mode, weights) -> (kept, drafted) tokens
     # The drafters of one weight setting alternate round by round (a neighbour's burst of load on
     # 2 shared cores then costs both alike), one engine at a time: two live engine threads would
     # each hold a worker pool, and two pools on 2 cores slow every step (kvgen/engine/threads.py).
@@ -134,8 +134,7 @@ def main() -> int:
                         old = rows.get((mode, weights, name), got)
                         rows[(mode, weights, name)] = [max(a, b) for a, b in zip(old, got, strict=True)]
                         print(f"kvgen {weights:4} {mode:5} {name:12}: {[f'{r:.1f}' for r in got]} tok/s", flush=True)
-                    a, d = accept.get((mode, weights), (0, 0))
-                    accept[(mode, weights)] = (a + gen.engine.accepted_tokens, d + gen.engine.drafted_tokens)
+                    tally(accept, (mode, weights), gen.engine)
                 finally:
                     gen.close()
         # 16 streams: one run per engine, the modes alternating run by run, each keeping its best
@@ -149,8 +148,7 @@ def main() -> int:
                 finally:
                     gen.close()
                 rows[(mode, weights, "streams")] = [max(got, *rows.get((mode, weights, "streams"), [0.0]))]
-                a, d = accept.get((mode, weights, "streams"), (0, 0))
-                accept[(mode, weights, "streams")] = (a + gen.engine.accepted_tokens, d + gen.engine.drafted_tokens)
+                tally(stream_accept, (mode, weights), gen.engine)
                 print(f"kvgen {weights:4} {mode:5} {args.streams} streams: {got:.1f} tok/s "
                       f"({gen.engine.drafted_tokens} drafted)", flush=True)
     all_prompts = [p for ps in SETS.values() for p in ps]
@@ -164,14 +162,21 @@ def main() -> int:
                 peer_rows[(kind, name)] = rates[at:at + len(prompts)]
                 at += len(prompts)
             print(f"llama.cpp {kind}: {[f'{r:.1f}' for r in rates]}", flush=True)
-    text = render(rows, peer_rows, accept, args, time.perf_counter() - t_start, models["auto"][0].weight_dtype, runs)
+    text = render(rows, peer_rows, accept, stream_accept, args, time.perf_counter() - t_start,
+                  models["auto"][0].weight_dtype, runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
     return 0
 
 
-def render(rows, peer_rows, accept, args, seconds: float, default: str, runs=RUNS) -> str:
+def tally(counts: dict, key, engine) -> None:
+    """Add an engine's kept and drafted tokens to counts[key]."""
+    kept, drafted = counts.get(key, (0, 0))
+    counts[key] = (kept + engine.accepted_tokens, drafted + engine.drafted_tokens)
+
+
+def render(rows, peer_rows, accept, stream_accept, args, seconds: float, default: str, runs=RUNS) -> str:
     mean = statistics.mean
     lines = [
         "# Speculative decoding (CPU)",
@@ -208,12 +213,10 @@ def render(rows, peer_rows, accept, args, seconds: float, default: str, runs=RUN
         "aggregate tok/s "
         + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in runs) + ". "
         "Drafted tokens over those runs: " + ", ".join(
-            f"{w} {m} {accept.get((m, w, 'streams'), (0, 0))[1]} ({accept.get((m, w, 'streams'), (0, 0))[0]} kept)"
-            for m, w in runs if m != "off") + ".",
+            f"{w} {m} {stream_accept[m, w][1]} ({stream_accept[m, w][0]} kept)" for m, w in runs if m != "off") + ".",
         "",
         "Acceptance over the three sets: " + ", ".join(
-            f"{m} ({w}) {a}/{d} drafted tokens kept ({a / d:.0%})" for (m, w, *at), (a, d) in accept.items()
-            if d and not at) + ".",
+            f"{m} ({w}) {a}/{d} drafted tokens kept ({a / d:.0%})" for (m, w), (a, d) in accept.items() if d) + ".",
         "",
     ]
     if len(runs) > len(RUNS):

@@ -356,7 +356,6 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
     return sig, codegen
 
 
-
 # The rows of a call go ROWS_AT_ONCE at a time; Numba cannot pick an intrinsic from a tuple, so
 # the choice of variant is spelled out.
 

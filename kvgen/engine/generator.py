@@ -59,8 +59,8 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
     model = Model(cfg, weights, weight_dtype, device, blocks=src.get("blocks"))
     if weight_dtype != model.weight_dtype:
         log.info("WEIGHT_DTYPE=%s chose %s on %s", weight_dtype, model.weight_dtype, device)
-    if path := kernel_path(model):
-        log.info("CPU block kernels: %s", path)
+    if kernels := kernel_path(model):
+        log.info("CPU block kernels: %s", kernels)
     return model, tokenizer
 
 

@@ -50,8 +50,7 @@ class DraftModel:
         for seq, k in wanted:
             tokens = seq.tokens
             cache, held = self._caches.get(seq) or (PagedKVCache(self.pool), [])
-            same = _common_prefix(held, tokens)
-            cache.truncate(min(same, len(tokens) - 1))  # the last token is fed again: its logits are needed
+            cache.truncate(_reusable(held, tokens))
             try:
                 cache.reserve(len(tokens) - cache.length + k - 1)
             except PoolExhausted:
@@ -84,8 +83,7 @@ class DraftModel:
     def lag(self, seq) -> int:
         """The tokens of seq the draft must prefill before its next draft (all of them at first)."""
         held = self._caches.get(seq)
-        tokens = seq.tokens
-        return len(tokens) - (min(_common_prefix(held[1], tokens), len(tokens) - 1) if held else 0)
+        return len(seq.tokens) - (_reusable(held[1], seq.tokens) if held else 0)
 
     def forget(self, seq) -> None:
         """seq is done: its draft blocks go back."""
@@ -110,8 +108,16 @@ def pick(raw: torch.Tensor, seq, tokens: list[int]) -> tuple[int, torch.Tensor |
     return int(torch.multinomial(q, 1, generator=seq.rng)), q
 
 
+def _reusable(held: list[int], tokens: list[int]) -> int:
+    """How much of a draft cache holding `held` serves `tokens`: their common prefix, less the last
+    token, which is fed again (its logits are needed)."""
+    return min(_common_prefix(held, tokens), len(tokens) - 1)
+
+
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case (the cache follows the sequence): one comparison in C
+        return n
     i = 0
     while i < n and a[i] == b[i]:
         i += 1
