@@ -6,7 +6,7 @@ around its four matmuls, each a few microseconds of bookkeeping for a few hundre
 This is the same layer loop (model.py is the reference it is tested against) with every op a
 loop in one compiled function, the matmuls being cpu_kernels' block kernels: the step costs the
 weights' bytes and little else. It runs the steps it can (model_runner decides): sequences of one
-new token each, however many, over fp32 keys and values or fp8 / q4 (which fused_attention.py
+new token each, however many, over fp32 keys and values or fp8 / q4 (which fused_kv.py
 writes and reads), and over fp32 KV also prompt chunks and drafts' k + 1 tokens, as rows at
 consecutive positions; no window or chunked attention, no bias. Every other step takes
 Model.forward. Each row runs the same operations whatever the other rows: the matmul kernels'
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from kvgen.engine import block_matmul, cpu_kernels, exp_kernels, fused_attention, key_lanes, plain_attention
+from kvgen.engine import block_matmul, cpu_kernels, exp_kernels, fused_kv, key_lanes, plain_attention
 from kvgen.engine.blocks import GROUP, BlockLinear
 
 
@@ -132,9 +132,8 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
     room = cpu_kernels.scratch(max(rows, need.shape[0]), max(hidden, inter, heads * head_dim))
     block = kv.shape[3]
     nq, nk = heads * head_dim, kv_heads * head_dim
-    plain = kvq[fused_attention.KIND] == fused_attention.PLAIN
-    if plain:
-        plan, partial = plain_attention.plan(positions, kv_heads, heads // kv_heads, head_dim)
+    plain = kvq[fused_kv.KIND] == fused_kv.PLAIN
+    plan, partial = plain_attention.plan(positions, kv_heads, heads // kv_heads, head_dim, not plain)
     for layer in range(ln1.shape[0]):
         # the previous layer's MLP output is added here, with this layer's first norm
         _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
@@ -145,19 +144,18 @@ def _step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2,
                    kv_heads, head_dim, gu, act)
             if kt.shape[0]:
                 key_lanes.transpose_blocks(kv, layer, blocks, kt)
-            plain_attention.attend(qkv_out, kv, layer, tables, positions, heads, kv_heads, head_dim, att, plan, partial,
-                                   slot, kt)
-        else:  # fp8 / q4 (fused_attention.py): the rows in turn (a block's scales are shared)
+        else:  # fp8 / q4 (fused_kv.py): the rows in turn (a block's scales are shared)
             for r in range(rows):
                 pos = positions[r]
                 b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
                 _rope_row(q, pos, heads + kv_heads, cos, sin)
-                qk = kvq[fused_attention.QK]
+                qk = kvq[fused_kv.QK]
                 if qk.shape[0]:  # key channels equalised: queries times the scale, keys by it
                     for i in range(nq + nk):
                         q[i] *= qk[layer, i // head_dim, i % head_dim]
-                fused_attention.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
-            fused_attention.attend(qkv_out, kvq, layer, tables, positions, heads, kv_heads, head_dim, block, att)
+                fused_kv.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
+        plain_attention.attend(qkv_out, kv, kvq, layer, tables, positions, heads, kv_heads, head_dim, att, plan,
+                               partial, slot, kt)
         block_matmul.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
         _stage(ADD_NORM, h, o_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads,
                head_dim, gu, act)
@@ -214,18 +212,16 @@ def _stack(linears: list[BlockLinear]) -> tuple:
     return stacks
 
 
-class _PLAIN:  # what cache_tuple needs to know of the plain fp32 format
-    name, recent_slots, qk_scale = "fp32", 0, None
-
-
 def _supports_kv(fmt, head_dim: int) -> bool:
-    """fp32 (nothing held exact, no key equalisation), or fp8 / q4 (fused_attention.py), with or
-    without ExactTail and key equalisation, computing in fp32."""
-    name = getattr(fmt, "name", "")
-    if name == "fp32":  # key_lanes.py: whole tiles of keys a block, whole vectors a head
-        return (not fmt.recent_slots and fmt.qk_scale is None and fmt.block_size % key_lanes.TILE == 0
-                and head_dim % key_lanes.LANES == 0)
-    return (name in ("fp8", "q4") and fmt.compute_dtype == torch.float32
+    """fp32 (nothing held exact, no key equalisation), or fp8 / q4 (fused_kv.py), with or
+    without ExactTail and key equalisation, computing in fp32; whole tiles of keys a block and
+    whole vectors a head (key_lanes.py)."""
+    if fmt.block_size % key_lanes.TILE or head_dim % key_lanes.LANES:
+        return False
+    if fmt.name == "fp32":
+        return not fmt.recent_slots and fmt.qk_scale is None
+    return (fmt.name in ("fp8", "q4") and fmt.compute_dtype == torch.float32
+            and getattr(fmt, "group_size", key_lanes.LANES) % key_lanes.LANES == 0  # (kv_lanes: a vector a scale)
             and (fmt.qk_scale is None or fmt.qk_scale.dtype == torch.float32))
 
 
@@ -260,7 +256,7 @@ class FusedDecode:
         self.head_q4 = head.kind == "q4"
         self.vocab = head.out_features
         self.padded_vocab = head.d.shape[0] * head.d.shape[-1]
-        self._plain = fused_attention.cache_tuple(_PLAIN, {})
+        self._plain = fused_kv.cache_tuple(None, {})
         self._no_features = np.empty((0, cfg.hidden_size), np.float32)  # what a step without features passes
         # nor blocks to transpose (their list, their places in it, their transposed copy)
         self._no_blocks = (np.empty(0, np.int64), np.empty(0, np.int64),
@@ -281,9 +277,9 @@ class FusedDecode:
         out, tables, positions = np.zeros((1, cfg.num_heads * cfg.head_dim), np.float32), np.zeros((1, 1), np.int64), \
             np.zeros(1, np.int64)
         fp8 = list(self._plain)
-        fp8[fused_attention.KIND] = fused_attention.FP8
-        fp8[fused_attention.CODES] = np.zeros(kv.shape, np.uint8)
-        fp8[fused_attention.SCALE] = np.ones(kv.shape[:3] + kv.shape[4:5], np.float32)
+        fp8[fused_kv.KIND] = fused_kv.FP8
+        fp8[fused_kv.CODES] = np.zeros(kv.shape, np.uint8)
+        fp8[fused_kv.SCALE] = np.ones(kv.shape[:3] + kv.shape[4:5], np.float32)
         kt = np.zeros((1, cfg.num_kv_heads, cfg.head_dim, 16), np.float32)
         key_lanes.transpose_blocks(kv.numpy(), 0, np.zeros(1, np.int64), kt)
         group = cfg.num_heads // cfg.num_kv_heads
@@ -291,11 +287,9 @@ class FusedDecode:
                  np.ones((1, group), np.float32))
         # attend's parallel callee first
         plain_attention.merge(*parts, np.zeros(2, np.int64), positions, cfg.num_heads, out)
-        plain_attention.attend(q, kv.numpy(), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, out,
-                               *plain_attention.plan(positions, cfg.num_kv_heads, group, cfg.head_dim),
-                               np.zeros(1, np.int64), kt)
-        fused_attention.attend(q, tuple(fp8), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                               16, out)
+        plan = plain_attention.plan(positions, cfg.num_kv_heads, group, cfg.head_dim, True)
+        plain_attention.attend(q, kv.numpy(), tuple(fp8), 0, tables, positions, cfg.num_heads, cfg.num_kv_heads,
+                               cfg.head_dim, out, *plan, np.zeros(1, np.int64), kt)
         h = np.zeros((1, cfg.hidden_size), np.float32)
         gu = np.zeros((1, 2 * cfg.intermediate_size), np.float32)
         _rows_parallel(SILU, h, h, self.norm, np.float32(cfg.rms_norm_eps), q, positions, tables, kv.numpy(), 0,
@@ -320,7 +314,7 @@ class FusedDecode:
             if fmt.recent_slots:  # ExactTail's slots and flushes on the host, as for the GPU kernels
                 fmt.prepare_decode(store, [blocks[pos // bs] for _, pos, blocks in rows],
                                    [pos % bs for _, pos, _ in rows], [pos for _, pos, _ in rows])
-            kvq = fused_attention.cache_tuple(fmt, store)
+            kvq = fused_kv.cache_tuple(fmt, store)
             kv = np.empty((0, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim), np.float32)
         width = max(len(blocks) for _, _, blocks in rows)
         tables = np.zeros((len(rows), width), np.int64)

@@ -1,7 +1,7 @@
 """Where Numba caches kvgen's compiled kernels: a folder named by a hash of the engine's sources.
 
 Numba's disk cache checks only the source file of the function it caches, and a cached caller
-holds its callees' code (fused_decode's step holds cpu_kernels' matmuls and fused_attention's
+holds its callees' code (fused_decode's step holds cpu_kernels' matmuls and fused_kv's
 loops): after a change in a callee's file the caller's cache would still run the old code, over
 arrays laid out the new way. A folder per hash of every file in kvgen/engine (and of the kernels'
 code path and Numba's version) makes any change start a new cache. Every module that defines a

@@ -142,7 +142,7 @@ def test_the_runner_fuses_only_what_it_supports(q4_model):
     assert runner().fused is not None
     assert runner(fused=False).fused is None
     assert runner(window=32).fused is None  # windows and chunks take the forward
-    assert runner("q3").fused is None and runner("bf16").fused is None  # fp8 / q4: test_fused_attention.py
+    assert runner("q3").fused is None and runner("bf16").fused is None  # fp8 / q4: test_fused_kv.py
 
 
 def test_default_weights_decode_like_transformers(hf_model):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgen.engine import cpu_kernels, key_lanes, plain_attention
+from kvgen.engine import cpu_kernels, fused_kv, key_lanes, plain_attention
 
 # (query heads, KV heads, head_dim, block): groups of 3, 1 and 8 (more than key_lanes.MAX_HEADS),
 # a head_dim that is not a multiple of four vectors (values' one-vector tail), blocks of 32
@@ -46,7 +46,8 @@ def attend(shape, kv, tables, positions, q, transposed=False, layer=1):
         kt = np.empty((len(blocks), kv_heads, hd, block), np.float32)
         key_lanes.transpose_blocks(kv, layer, blocks, kt)
     plan = plain_attention.plan(positions, kv_heads, heads // kv_heads, hd)
-    plain_attention.attend(q, kv, layer, tables, positions, heads, kv_heads, hd, out, *plan, slot, kt)
+    plain_attention.attend(q, kv, fused_kv.cache_tuple(None, {}), layer, tables, positions, heads, kv_heads, hd, out,
+                           *plan, slot, kt)
     return out
 
 

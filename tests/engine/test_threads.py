@@ -2,7 +2,7 @@
 
 threads.py says why: a second libgomp pool (the importing thread's, next to the engine thread's)
 made every fused decode step ~2.5x slower on 2 cores. It happened once through a torch op over
-65,536 values run at import (fused_attention's float16 table); this test would have caught it.
+65,536 values run at import (fused_kv's float16 table); this test would have caught it.
 """
 
 from __future__ import annotations

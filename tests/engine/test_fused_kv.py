@@ -1,4 +1,4 @@
-"""FusedDecode over the quantized KV formats (fused_attention.py): its cache write is the format's
+"""FusedDecode over the quantized KV formats (fused_kv.py): its cache write is the format's
 write byte for byte, its attention is attention over the format's read, and whole decode steps
 equal Model.forward on the same format, with and without the exact tail."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.engine import fused_attention
+from kvgen.engine import fused_kv, plain_attention
 from kvgen.engine.attention import Step
 from kvgen.engine.calibration import calibrate_format
 from kvgen.engine.fused_decode import FusedDecode
@@ -41,41 +41,24 @@ def rows_like(gen, n):
     return x
 
 
-def test_fp8_codes_read_back_as_the_formats_read_bit_for_bit():
-    """Every E4M3 code the write can produce (all but the two NaNs), subnormals and both signs
-    included, reads back as fp8's own dequantize (its float value times the block's scale),
-    bit for bit, though the read moves bits instead of looking the value up."""
-    fmt = make_format("fp8", L, BS, KVH, HD)
-    store = fmt.allocate(1)
-    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8)  # 256
-    store["kv"].view(torch.uint8)[0, 1, 0] = codes.reshape(4, KVH, HD).repeat(BS // 4, 1, 1)
-    for scale in (0.013, 3.7, 1e-4):
-        store["scale"][0, 1, 0] = scale
-        tile = np.empty((BS, HD), np.float32)
-        for h in range(KVH):
-            fused_attention._load(fused_attention.cache_tuple(fmt, store), 1, 0, 0, h, BS, tile)
-            want = store["kv"][0, 1, 0, :, h].float() * torch.tensor(scale, dtype=torch.float32)
-            assert torch.equal(torch.from_numpy(tile).view(torch.int32), want.view(torch.int32))
-
-
 @pytest.mark.parametrize("name", ["fp8", "q4"])
 def test_the_write_is_the_formats_write_byte_for_byte(name):
     """Tokens written one at a time through blocks (offset 0 of a reused block starts it over):
-    fused_attention.write leaves every byte of the store as the format's write does."""
+    fused_kv.write leaves every byte of the store as the format's write does."""
     fmt = make_format(name, L, BS, KVH, HD)
     ref, got = fmt.allocate(3), fmt.allocate(3)
     for t in (ref, got):  # stale bytes in the blocks, as a reused block has
         for a in t.values():
             a.view(torch.uint8).copy_(torch.randint(0, 256, a.view(torch.uint8).shape,
                                                     generator=torch.Generator().manual_seed(1), dtype=torch.uint8))
-    c = fused_attention.cache_tuple(fmt, got)
+    c = fused_kv.cache_tuple(fmt, got)
     gen = torch.Generator().manual_seed(0)
     for pos in range(3 * BS + 5):
         b, off = (pos // BS) % 3, pos % BS
         k, v = rows_like(gen, 1), rows_like(gen, 1)
         for layer in range(L):
             fmt.write(ref, layer, torch.tensor([b]), torch.tensor([off]), k, v)
-            fused_attention.write(c, layer, pos, b, off, k.flatten().numpy(), v.flatten().numpy(), KVH)
+            fused_kv.write(c, layer, pos, b, off, k.flatten().numpy(), v.flatten().numpy(), KVH)
         for key in ref:
             assert torch.equal(got[key].view(torch.uint8), ref[key].view(torch.uint8)), (pos, key)
 
@@ -86,11 +69,11 @@ def test_rounding_matches_torchs_casts():
                    torch.tensor([0.0, 65519.0, 65520.0, 1e9, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14 * 0.99])])
     x = x.abs().float()
     want = x.to(torch.float16).view(torch.int16).numpy().view(np.uint16)
-    assert [fused_attention.f16_bits(v) for v in x.numpy()] == want.tolist()
+    assert [fused_kv.f16_bits(v) for v in x.numpy()] == want.tolist()
     y = torch.cat([torch.randn(20000) * 10.0 ** torch.randint(-5, 3, (20000,)), torch.tensor([-0.0, 448.0, -448.0])])
     s = np.float32(1.0)
     want = y.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert [fused_attention.fp8_code(v, s) for v in y.numpy()] == want.tolist()
+    assert [fused_kv.fp8_code(v, s) for v in y.numpy()] == want.tolist()
 
 
 @pytest.mark.parametrize("name,slots", VARIANTS)
@@ -99,9 +82,10 @@ def test_attend_is_attention_over_the_formats_read(name, slots):
     the fused attention equals softmax(q K^T / sqrt(D)) V over what fmt.read returns."""
     heads, gen = 2 * KVH, torch.Generator().manual_seed(3)
     fmt = make_format(name, L, BS, KVH, HD, recent_slots=slots)
-    store = fmt.allocate(16)
-    lengths = [1, 16, 17, 40, 70]
-    tables = [list(range(4 * i, 4 * i + 4)) + [0] for i in range(4)] + [list(range(16)[::-1][:5])]
+    store = fmt.allocate(40)
+    lengths = [1, 16, 17, 40, 70, 300]  # 300: two runs of keys (plain_attention.SPLIT), merged
+    tables = ([list(range(4 * i, 4 * i + 4)) + [0] * 15 for i in range(4)] + [list(range(16)[::-1][:5]) + [0] * 14]
+              + [list(range(39, 20, -1))])
     for n, table in zip(lengths, tables, strict=True):
         for pos in range(n):
             blocks, offsets = torch.tensor([table[pos // BS]]), torch.tensor([pos % BS])
@@ -112,10 +96,13 @@ def test_attend_is_attention_over_the_formats_read(name, slots):
     width = max(len(t) for t in tables)
     tab = np.array([t + [0] * (width - len(t)) for t in tables], np.int64)
     positions = np.array(lengths, np.int64) - 1
+    # the step's arguments for a quantized cache: no fp32 rows, no transposed copy
+    empty, kt = np.empty((0, L, 2, BS, KVH, HD), np.float32), np.empty((0, KVH, HD, BS), np.float32)
+    slot = np.zeros(1, np.int64)
     for layer in range(L):
         out = np.zeros((len(lengths), heads * HD), np.float32)
-        fused_attention.attend(q.numpy(), fused_attention.cache_tuple(fmt, store), layer, tab, positions, heads,
-                               KVH, HD, BS, out)
+        plain_attention.attend(q.numpy(), empty, fused_kv.cache_tuple(fmt, store), layer, tab, positions, heads, KVH,
+                               HD, out, *plain_attention.plan(positions, KVH, heads // KVH, HD), slot, kt)
         for r, (n, table) in enumerate(zip(lengths, tables, strict=True)):
             k, v = fmt.read(store, layer, torch.tensor(table))
             k, v = (x.reshape(-1, KVH, HD)[:n].transpose(0, 1) for x in (k, v))  # [KVH, n, HD]

@@ -1,12 +1,13 @@
-"""FusedDecode's cache write and attention over the quantized KV formats fp8 and q4, with or
+"""FusedDecode's cache write and block read for the quantized KV formats fp8 and q4, with or
 without stage.ExactTail, so a decode step over them stays one compiled call.
 
 Model.forward reads a quantized cache through the format's `read`, which dequantizes every
 block of the context into fresh fp32 tensors on every layer of every step: at 1k tokens that
-copy, not the arithmetic, is the step. Here attention dequantizes one block at a time into a
-scratch tile that stays in L1 (fp8 by moving its bits, q4 from its nibbles), so a step
-touches the quantized bytes once and allocates nothing per token. It is the CPU twin of the GPU
-kernels (kvgen/gpu/kernels/kv_append.cu, flash_decode.cu):
+copy, not the arithmetic, is the step. Here attention (plain_attention.py, the same tasks as
+over fp32 rows) dequantizes one block of one KV head at a time into a scratch tile that stays in
+L1 (`load`, kv_lanes.py's kernels), so a step touches the quantized bytes once and allocates
+nothing per token. It is the CPU twin of the GPU kernels (kvgen/gpu/kernels/kv_append.cu,
+flash_decode.cu):
 
 - write: the new token's K/V goes where the format's own `write` would put it, byte for byte:
   ExactTail's exact rows while its block holds a slot (and the sink at position 0), else
@@ -15,12 +16,7 @@ kernels (kvgen/gpu/kernels/kv_append.cu, flash_decode.cu):
   ExactTail's bookkeeping first (prepare_decode: slots, flushes of full blocks), as for the GPU.
   Every float32 operation is the one quant.py specifies (IEEE "/", round half to even), so the
   write functions are compiled without fastmath, which would turn x / s into x * (1 / s).
-- attend: split-K decoding (FlashDecoding): each task is one row, one KV head (all the query
-  heads of its group, so a key is dequantized once for the group, not once per query head) and
-  one run of blocks; the tasks' partial softmaxes are merged at the end. The splits keep both
-  cores busy at batch 1, which has only as many (row, KV head) pairs as KV heads. A block's
-  dequantized tile goes through key_lanes' kernels, as plain_attention's cache rows do (at 1k
-  tokens of context: fp8 88 -> 123 tok/s, q4 79 -> 101).
+- load: a block's K or V rows of one head as the format's read gives them, bit for bit.
 
 Everything a kernel reads travels in one tuple (`Cache`, built by `cache_tuple`), the same types
 for every format (unused members are empty arrays), so FusedDecode's step compiles once.
@@ -32,12 +28,11 @@ import math
 
 import numpy as np
 import torch
-from numba import njit, prange
+from numba import njit
 
 from kvgen.engine import (
     cpu_kernels,  # noqa: F401  (first: it points Numba's cache, numba_cache.py)
-    exp_kernels,
-    key_lanes,
+    kv_lanes,
 )
 
 PLAIN, FP8, Q4 = 0, 1, 2
@@ -53,15 +48,22 @@ F16 = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astyp
 KIND, CODES, SCALE, VSCALE, KSCALE, ROWS, RECENT, SINK, FIRST, QK, GROUP, LUT8, LUT16 = range(13)
 
 
+class _Plain:  # what cache_tuple needs to know of the plain fp32 format
+    name, recent_slots, qk_scale = "fp32", 0, None
+
+
 def _empty(ndim: int, dtype) -> np.ndarray:
     return np.zeros((0,) * ndim, dtype)
 
 
 def cache_tuple(fmt, store: dict) -> tuple:
-    """The Cache tuple of a format's store: (kind, codes, fp8 scale, q4 value scales, q4 key scales,
-    exact rows, recent slot map, sink, first-token slot map, qk_scale, group size, the fp8 and
-    float16 decode tables). float16 scales
-    travel as their uint16 bits, fp8 codes as bytes; what the format lacks is an empty array."""
+    """The Cache tuple of a format's store (fmt None: plain fp32, whose rows attention reads
+    itself): (kind, codes, fp8 scale, q4 value scales, q4 key scales, exact rows, recent slot map,
+    sink, first-token slot map, qk_scale, group size, the fp8 and float16 decode tables). float16
+    scales travel as their uint16 bits, fp8 codes as bytes; what the format lacks is an empty
+    array."""
+    if fmt is None:
+        fmt = _Plain
     kind = FORMATS[fmt.name]
     codes, scale = _empty(6, np.uint8), _empty(4, np.float32)
     vscale, kscale = _empty(5, np.uint16), _empty(4, np.uint16)
@@ -204,129 +206,82 @@ def _write_q4(codes, vscale, kscale, layer, h, b, off, k, v, group, lut):  # pra
         codes[b, layer, 0, off, h, j] = q4_code(k[2 * j], s[2 * j]) | (q4_code(k[2 * j + 1], s[2 * j + 1]) << 4)
 
 
-# ---- attend -----------------------------------------------------------------------------
+# ---- read ------------------------------------------------------------------------------
 
-@njit(fastmath=True, cache=True, nogil=True)
-def _load(c, layer, kv, b, h, n, tile):  # pragma: no cover - compiled
+# Inlined where it is called, with the Cache tuple's members taken out once by the caller: a call
+# passing the tuple, its members counted in and out, cost more than an fp8 block's dequantizing
+# (0.55 against 0.22 us).
+@njit(cache=True, nogil=True, inline="always")
+def load(kind, codes, scale, kscale, vscale, group, f16, rows, recent, sink, first, layer, kv, b, h, n,
+         tile):  # pragma: no cover - compiled
     """tile[:n] = the first n rows of block b's K (kv=0) or V (1) for head h, as the format's read
-    gives them: exact rows where ExactTail holds the block, the sink at offset 0 where it holds
-    the first token, else dequantized codes."""
-    rows, recent, sink, first, codes = c[ROWS], c[RECENT], c[SINK], c[FIRST], c[CODES]
-    f16 = c[LUT16]
-    hd = tile.shape[1]
-    # Through 1-D views of each source and tile row: with every index but the innermost fixed,
-    # LLVM vectorizes the loops over head_dim (six-index element reads ran several times slower).
+    gives them (the arguments before layer: the Cache tuple's members of those names): exact rows
+    where ExactTail holds the block, the sink at offset 0 where it holds the first token, else
+    dequantized codes (kv_lanes.py)."""
     if recent.shape[0] and recent[b] >= 0:
-        tile[:n] = rows[recent[b], layer, kv, :n, h]
-    elif c[KIND] == FP8:
-        # E4M3's bits moved into float32's places (sign to bit 31, exponent and mantissa up by 20)
-        # make a float32 of the code's value times 2^-120 (the exponent biases differ by 120;
-        # subnormal codes land on float32 subnormals, the same way): integer ops that vectorize,
-        # where a lookup table is a load per element (fp8 decode at 1k context 66.6 -> 74.5
-        # tok/s when this replaced the table).
-        s = c[SCALE][b, layer, kv, h] * np.float32(2.0 ** 120)
-        bits = tile.view(np.int32)
-        for t in range(n):
-            src, dst, out = codes[b, layer, kv, t, h], bits[t], tile[t]
-            for i in range(hd):
-                x = np.int32(src[i])
-                dst[i] = ((x & 0x7F) << 20) | ((x & 0x80) << 24)
-            for i in range(hd):
-                out[i] *= s
-    elif kv == 0:  # q4 keys: one scale per channel
-        ks = c[KSCALE][b, layer, h]
-        sc = np.empty(hd, np.float32)
-        for i in range(hd):
-            sc[i] = f16[ks[i]]
-        for t in range(n):
-            src, dst = codes[b, layer, 0, t, h], tile[t]
-            for j in range(hd // 2):
-                byte = src[j]
-                dst[2 * j] = np.float32(np.int32(byte & 15) - 8) * sc[2 * j]
-                dst[2 * j + 1] = np.float32(np.int32(byte >> 4) - 8) * sc[2 * j + 1]
-    else:  # q4 values: one scale per token and group
-        group = c[GROUP]
-        for t in range(n):
-            src, dst, vs = codes[b, layer, 1, t, h], tile[t], c[VSCALE][b, layer, t, h]
-            for gi in range(hd // group):
-                s = f16[vs[gi]]
-                for j in range(gi * group // 2, (gi + 1) * group // 2):
-                    byte = src[j]
-                    dst[2 * j] = np.float32(np.int32(byte & 15) - 8) * s
-                    dst[2 * j + 1] = np.float32(np.int32(byte >> 4) - 8) * s
+        _copy_rows(rows, recent[b], layer, kv, h, n, tile)
+    elif kind == FP8:
+        _load_fp8(codes, scale, layer, kv, b, h, n, tile)
+    elif kv == 0:
+        _load_q4_keys(codes, kscale[b, layer, h], f16, layer, b, h, n, tile)
+    else:
+        _load_q4_values(codes, vscale[b, layer], f16, group, layer, b, h, n, tile)
     if first.shape[0] and first[b] >= 0 and n:
-        tile[0] = sink[first[b], layer, kv, h]
+        _copy_sink(sink, first[b], layer, kv, h, tile)
 
 
-# No fastmath: Numba would put its flags on key_lanes' additions (plain_attention.py says why).
+def load_block(c, layer, kv, b, h, n, tile) -> None:
+    """load from Python (the tests), with the Cache tuple c."""
+    load(c[KIND], c[CODES], c[SCALE], c[KSCALE], c[VSCALE], c[GROUP], c[LUT16], c[ROWS], c[RECENT], c[SINK],
+         c[FIRST], layer, kv, b, h, n, tile)
+
+
 @njit(cache=True, nogil=True)
-def _attend_split(q, c, layer, table, r, kh, group, n_keys, j0, j1, block, scale, top, total, acc):  # pragma: no cover
-    """The query heads of KV head kh over blocks j0..j1 of row r's table: their softmax's max
-    (top), sum (total) and unnormalised weighted values (acc [group, head_dim], contiguous), to
-    be merged with other splits. A block is dequantized into a tile, whose scores and values
-    key_lanes' kernels take as plain_attention's take the cache's rows."""
-    head_dim = acc.shape[1]
-    t0 = j0 * block
-    width = min(n_keys, j1 * block) - t0
-    scores = np.empty((group, width + key_lanes.TILE), np.float32)  # a tile's scores past the keys
-    tile = np.empty((-(-block // key_lanes.TILE) * key_lanes.TILE, head_dim), np.float32)
-    sf, tf, qf, af = scores.reshape(-1), tile.reshape(-1), q.reshape(-1), acc.reshape(-1)
-    for j in range(j0, j1):
-        n = min(block, n_keys - j * block)
-        _load(c, layer, 0, table[j], kh, n, tile)
-        for g in range(group):
-            for t in range(0, n, key_lanes.TILE):
-                key_lanes.scores_rows(tf, t * head_dim, head_dim, qf, r * q.shape[1] + (kh * group + g) * head_dim,
-                                      head_dim, scale, sf, g * scores.shape[1] + j * block + t - t0)
-    for g in range(group):
-        m = exp_kernels.largest(scores[g], width)
-        top[g], total[g] = m, exp_kernels.exp_shifted(scores[g], width, m)
-    for j in range(j0, j1):
-        n = min(block, n_keys - j * block)
-        _load(c, layer, 1, table[j], kh, n, tile)
-        for g0 in range(0, group, key_lanes.MAX_HEADS):
-            key_lanes.values(min(key_lanes.MAX_HEADS, group - g0), tf, 0, head_dim, n, sf,
-                             g0 * scores.shape[1] + j * block - t0, scores.shape[1], head_dim, af, g0 * head_dim)
+def _copy_rows(rows, slot, layer, kv, h, n, tile):  # pragma: no cover - compiled
+    """tile[:n] = ExactTail's exact rows of a slot."""
+    for t in range(n):
+        src = rows[slot, layer, kv, t, h]
+        for i in range(tile.shape[1]):
+            tile[t, i] = src[i]
 
 
-@njit(parallel=True, fastmath=True, cache=True, nogil=True)
-def attend(q, c, layer, tables, positions, heads, kv_heads, head_dim, block, out):  # pragma: no cover
-    """out[r, h] = softmax(q_rh K^T / sqrt(D)) V over row r's positions 0..positions[r] (q rows
-    hold the query heads first, as FusedDecode's fused qkv output does)."""
-    rows, group = q.shape[0], heads // kv_heads
-    scale = np.float32(1.0 / math.sqrt(head_dim))
-    width = 0
-    for r in range(rows):
-        width = max(width, positions[r] // block + 1)
-    base = rows * kv_heads
-    splits = max(1, min(width, -(-16 // base)))  # ~16 tasks: even work on a few cores
-    top = np.zeros((rows, splits, heads), np.float32)
-    total = np.zeros((rows, splits, heads), np.float32)
-    acc = np.zeros((rows, splits, heads, head_dim), np.float32)  # a split's group of heads: contiguous
-    for task in prange(base * splits):
-        r, kh, sp = task // (kv_heads * splits), task // splits % kv_heads, task % splits
-        n_keys = positions[r] + 1
-        nblk = -(-n_keys // block)
-        per = -(-nblk // splits)
-        j0, j1 = sp * per, min(nblk, (sp + 1) * per)
-        if j0 < j1:  # (a split past the row's blocks keeps total 0: the merge skips it)
-            _attend_split(q, c, layer, tables[r], r, kh, group, n_keys, j0, j1, block, scale,
-                          top[r, sp, kh * group:(kh + 1) * group], total[r, sp, kh * group:(kh + 1) * group],
-                          acc[r, sp, kh * group:(kh + 1) * group])
-    for r in range(rows):  # merge the splits' partial softmaxes (no infinities: fastmath assumes none)
-        for h in range(heads):
-            m = top[r, 0, h]  # split 0 is never empty
-            for sp in range(splits):
-                if total[r, sp, h] > 0:
-                    m = max(m, top[r, sp, h])
-            tot = np.float32(0)
-            o = out[r, h * head_dim:(h + 1) * head_dim]
-            o[:] = 0
-            for sp in range(splits):
-                if total[r, sp, h] > 0:
-                    f = math.exp(top[r, sp, h] - m)
-                    tot += f * total[r, sp, h]
-                    for i in range(head_dim):
-                        o[i] += f * acc[r, sp, h, i]
-            for i in range(head_dim):
-                o[i] /= tot
+@njit(cache=True, nogil=True)
+def _copy_sink(sink, slot, layer, kv, h, tile):  # pragma: no cover - compiled
+    """tile[0] = the sink's row (the sequence's first token, held exact)."""
+    src = sink[slot, layer, kv, h]
+    for i in range(tile.shape[1]):
+        tile[0, i] = src[i]
+
+
+# Flat offsets into the stores, whose rows kv_lanes' kernels dequantize a vector at a time.
+
+@njit(cache=True, nogil=True)
+def _load_fp8(codes, scales, layer, kv, b, h, n, tile):  # pragma: no cover - compiled
+    kvh, hd = codes.shape[4], tile.shape[1]
+    at = ((b * codes.shape[1] + layer) * 2 + kv) * codes.shape[3] * kvh + h
+    kv_lanes.fp8_rows(codes, at * hd, kvh * hd, n, hd, scales, ((b * codes.shape[1] + layer) * 2 + kv) * kvh + h,
+                      1, tile)
+
+
+@njit(cache=True, nogil=True)
+def _load_q4_keys(codes, ks, f16, layer, b, h, n, tile):  # pragma: no cover - compiled
+    """q4 keys: a float16 scale a channel (ks: their bits)."""
+    kvh, hd, p = codes.shape[4], tile.shape[1], codes.shape[5]
+    sc = np.empty(hd, np.float32)
+    for i in range(hd):
+        sc[i] = f16[ks[i]]
+    at = (b * codes.shape[1] + layer) * 2 * codes.shape[3] * kvh + h
+    kv_lanes.q4_key_rows(codes, at * p, kvh * p, n, hd, sc, 0, 1, tile)
+
+
+@njit(cache=True, nogil=True)
+def _load_q4_values(codes, vscale, f16, group, layer, b, h, n, tile):  # pragma: no cover - compiled
+    """q4 values: a float16 scale a token and group of channels (vscale: the block's, as bits)."""
+    kvh, hd, p = codes.shape[4], tile.shape[1], codes.shape[5]
+    groups = hd // group
+    sc = np.empty(n * groups, np.float32)
+    for t in range(n):
+        for g in range(groups):
+            sc[t * groups + g] = f16[vscale[t, h, g]]
+    at = ((b * codes.shape[1] + layer) * 2 + 1) * codes.shape[3] * kvh + h
+    kv_lanes.q4_value_rows(codes, at * p, kvh * p, n, hd, sc, 0, group, tile)
