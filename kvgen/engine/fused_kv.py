@@ -212,7 +212,7 @@ def _write_q4(codes, vscale, kscale, layer, h, b, off, k, v, group, lut):  # pra
 # passing the tuple, its members counted in and out, cost more than an fp8 block's dequantizing
 # (0.55 against 0.22 us).
 @njit(cache=True, nogil=True, inline="always")
-def load(kind, codes, scale, kscale, vscale, group, f16, rows, recent, sink, first, layer, kv, b, h, n,
+def load(kind, codes, scale, kscale, vscale, group, rows, recent, sink, first, layer, kv, b, h, n,
          tile):  # pragma: no cover - compiled
     """tile[:n] = the first n rows of block b's K (kv=0) or V (1) for head h, as the format's read
     gives them (the arguments before layer: the Cache tuple's members of those names): exact rows
@@ -223,17 +223,17 @@ def load(kind, codes, scale, kscale, vscale, group, f16, rows, recent, sink, fir
     elif kind == FP8:
         _load_fp8(codes, scale, layer, kv, b, h, n, tile)
     elif kv == 0:
-        _load_q4_keys(codes, kscale[b, layer, h], f16, layer, b, h, n, tile)
+        _load_q4_keys(codes, kscale, layer, b, h, n, tile)
     else:
-        _load_q4_values(codes, vscale[b, layer], f16, group, layer, b, h, n, tile)
+        _load_q4_values(codes, vscale, group, layer, b, h, n, tile)
     if first.shape[0] and first[b] >= 0 and n:
         _copy_sink(sink, first[b], layer, kv, h, tile)
 
 
 def load_block(c, layer, kv, b, h, n, tile) -> None:
     """load from Python (the tests), with the Cache tuple c."""
-    load(c[KIND], c[CODES], c[SCALE], c[KSCALE], c[VSCALE], c[GROUP], c[LUT16], c[ROWS], c[RECENT], c[SINK],
-         c[FIRST], layer, kv, b, h, n, tile)
+    load(c[KIND], c[CODES], c[SCALE], c[KSCALE], c[VSCALE], c[GROUP], c[ROWS], c[RECENT], c[SINK], c[FIRST], layer,
+         kv, b, h, n, tile)
 
 
 @njit(cache=True, nogil=True)
@@ -260,28 +260,23 @@ def _load_fp8(codes, scales, layer, kv, b, h, n, tile):  # pragma: no cover - co
     kvh, hd = codes.shape[4], tile.shape[1]
     at = ((b * codes.shape[1] + layer) * 2 + kv) * codes.shape[3] * kvh + h
     kv_lanes.fp8_rows(codes, at * hd, kvh * hd, n, hd, scales, ((b * codes.shape[1] + layer) * 2 + kv) * kvh + h,
-                      1, tile)
+                      0, 1, tile)
 
 
 @njit(cache=True, nogil=True)
-def _load_q4_keys(codes, ks, f16, layer, b, h, n, tile):  # pragma: no cover - compiled
-    """q4 keys: a float16 scale a channel (ks: their bits)."""
+def _load_q4_keys(codes, kscale, layer, b, h, n, tile):  # pragma: no cover - compiled
+    """q4 keys: a float16 scale a channel."""
     kvh, hd, p = codes.shape[4], tile.shape[1], codes.shape[5]
-    sc = np.empty(hd, np.float32)
-    for i in range(hd):
-        sc[i] = f16[ks[i]]
     at = (b * codes.shape[1] + layer) * 2 * codes.shape[3] * kvh + h
-    kv_lanes.q4_key_rows(codes, at * p, kvh * p, n, hd, sc, 0, 1, tile)
+    kv_lanes.q4_key_rows(codes, at * p, kvh * p, n, hd, kscale, ((b * codes.shape[1] + layer) * kvh + h) * hd, 0, 1,
+                         tile)
 
 
 @njit(cache=True, nogil=True)
-def _load_q4_values(codes, vscale, f16, group, layer, b, h, n, tile):  # pragma: no cover - compiled
-    """q4 values: a float16 scale a token and group of channels (vscale: the block's, as bits)."""
+def _load_q4_values(codes, vscale, group, layer, b, h, n, tile):  # pragma: no cover - compiled
+    """q4 values: a float16 scale a token and group of channels."""
     kvh, hd, p = codes.shape[4], tile.shape[1], codes.shape[5]
     groups = hd // group
-    sc = np.empty(n * groups, np.float32)
-    for t in range(n):
-        for g in range(groups):
-            sc[t * groups + g] = f16[vscale[t, h, g]]
     at = ((b * codes.shape[1] + layer) * 2 + 1) * codes.shape[3] * kvh + h
-    kv_lanes.q4_value_rows(codes, at * p, kvh * p, n, hd, sc, 0, group, tile)
+    first = ((b * codes.shape[1] + layer) * codes.shape[3] * kvh + h) * groups  # row 0's scales
+    kv_lanes.q4_value_rows(codes, at * p, kvh * p, n, hd, vscale, first, kvh * groups, group, tile)

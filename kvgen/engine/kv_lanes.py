@@ -18,7 +18,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.engine.cpu_kernels import _FLOATS, _I8, _I32, _INTS, LANES, _arguments, _broadcast, _int, _lanes, _sum
+from kvgen.engine.cpu_kernels import _FLOATS, _I8, _I16, _I32, _INTS, LANES, _arguments, _broadcast, _int, _lanes, _sum
 
 _SMALL = 2.0 ** -6  # E4M3's smallest normal: what an exponent-0 code is placed above
 
@@ -43,6 +43,22 @@ def _fp8(builder, x, s):
     return builder.fmul(f, builder.select(negative, builder.fneg(s), s))
 
 
+def _f16(builder, x):
+    """<LANES x i32> float16 bits (zero-extended) -> their float32 values, exactly: the bits moved
+    into float32's places as _fp8 moves a code's (exponent bias up by 112; a subnormal placed as
+    exponent 1 and 2^-14 taken off again; infinities and NaNs keep an exponent of all ones)."""
+    mag = builder.and_(x, _splat_int(0x7FFF))
+    exponent = builder.lshr(mag, _splat_int(10))
+    small = builder.icmp_unsigned("==", exponent, _splat_int(0))
+    top = builder.icmp_unsigned("==", exponent, _splat_int(31))
+    moved = builder.shl(builder.or_(mag, builder.select(small, _splat_int(0x400), _splat_int(0))), _splat_int(13))
+    bits = builder.select(top, builder.or_(moved, _splat_int(0x7F800000)), builder.add(moved, _splat_int(112 << 23)))
+    f = builder.bitcast(bits, _FLOATS)
+    zero, lift = ir.Constant(_FLOATS, [0.0] * LANES), ir.Constant(_FLOATS, [2.0 ** -14] * LANES)
+    f = builder.bitcast(builder.fsub(f, builder.select(small, lift, zero)), _INTS)
+    return builder.bitcast(builder.or_(f, builder.shl(builder.and_(x, _splat_int(0x8000)), _splat_int(16))), _FLOATS)
+
+
 def _nibbles(builder, ptr):
     """LANES / 2 bytes at ptr -> <LANES x float> of their codes less 8, low nibble first."""
     half = ir.VectorType(_I8, LANES // 2)
@@ -56,19 +72,19 @@ def _nibbles(builder, ptr):
 def _rows(kind: str):
     """An intrinsic: dst[t hd + d] = row t's dimension d (t < n, d < hd, hd a multiple of LANES),
     row t's codes at src[sbase + t sstride ...] (bytes: one a dimension for fp8, two nibbles for
-    q4). Scales (float32, from sc): fp8, sc[scbase] for every value; q4 keys ("q4k"), sc[scbase +
-    d] a channel; q4 values ("q4v"), sc[scbase + t (hd / group) + d / group] a row and group
-    (group a multiple of LANES)."""
-    names = ("src", "sbase", "sstride", "n", "hd", "sc", "scbase", "group", "dst")
+    q4). Scales: fp8, the float32 sc[scbase] for every value; q4 keys ("q4k"), the float16 bits
+    sc[scbase + d] a channel; q4 values ("q4v"), the float16 bits sc[scbase + t scstride +
+    d / group] a row and group (group a multiple of LANES)."""
+    names = ("src", "sbase", "sstride", "n", "hd", "sc", "scbase", "scstride", "group", "dst")
 
     @intrinsic
-    def rows(typingctx, src, sbase, sstride, n, hd, sc, scbase, group, dst):
-        sig = types.void(src, sbase, sstride, n, hd, sc, scbase, group, dst)
+    def rows(typingctx, src, sbase, sstride, n, hd, sc, scbase, scstride, group, dst):
+        sig = types.void(src, sbase, sstride, n, hd, sc, scbase, scstride, group, dst)
 
         def codegen(context, builder, signature, args):
             a = _arguments(context, builder, signature, args, names)
             at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
-            vec = lambda ptr: builder.bitcast(ptr, _FLOATS.as_pointer())  # noqa: E731
+            vec = lambda ptr, ty=_FLOATS: builder.bitcast(ptr, ty.as_pointer())  # noqa: E731
             s = _broadcast(builder, builder.load(at(a["sc"], a["scbase"]))) if kind == "fp8" else None
             with cgutils.for_range(builder, a["n"]) as row:
                 t = row.index
@@ -76,17 +92,17 @@ def _rows(kind: str):
                     d0 = builder.mul(step.index, _int(LANES))
                     if kind == "fp8":
                         ptr = at(a["src"], a["sbase"], builder.mul(t, a["sstride"]), d0)
-                        codes = builder.load(builder.bitcast(ptr, ir.VectorType(_I8, LANES).as_pointer()), align=1)
+                        codes = builder.load(vec(ptr, ir.VectorType(_I8, LANES)), align=1)
                         value = _fp8(builder, builder.zext(codes, _INTS), s)
                     else:
                         ptr = at(a["src"], a["sbase"], builder.mul(t, a["sstride"]), builder.udiv(d0, _int(2)))
                         if kind == "q4k":
-                            scale = builder.load(vec(at(a["sc"], a["scbase"], d0)), align=4)
+                            bits = builder.load(vec(at(a["sc"], a["scbase"], d0), ir.VectorType(_I16, LANES)), align=2)
+                            bits = builder.zext(bits, _INTS)
                         else:
-                            g = builder.add(builder.mul(t, builder.udiv(a["hd"], a["group"])),
-                                            builder.udiv(d0, a["group"]))
-                            scale = _broadcast(builder, builder.load(at(a["sc"], a["scbase"], g)))
-                        value = builder.fmul(_nibbles(builder, ptr), scale)
+                            g = at(a["sc"], a["scbase"], builder.mul(t, a["scstride"]), builder.udiv(d0, a["group"]))
+                            bits = _broadcast(builder, builder.zext(builder.load(g), _I32), _INTS)
+                        value = builder.fmul(_nibbles(builder, ptr), _f16(builder, bits))
                     builder.store(value, vec(at(a["dst"], builder.mul(t, a["hd"]), d0)), align=4)
             return context.get_dummy_value()
 

@@ -2,7 +2,8 @@
 cache's rows or in a quantized format's (fp8, q4) blocks, each dequantized a KV head at a time
 into a tile that stays in L1 for the task's query heads and rows (fused_kv.load). Both take the
 same tasks: at 1k tokens of context the quantized formats' own split scheme, a block's scores a
-query head at a time, had fp8 at 0.78x and q4 at 0.65x of fp32's decode on a Sapphire Rapids.
+query head at a time, had fp8 at 0.78x and q4 at 0.65x of fp32's decode on a Sapphire Rapids;
+these tasks, with kv_lanes.py's dequantizing, 1.02x and 0.93x (bench/results/kv.md).
 
 A task is one row, one run of SPLIT keys and the query heads of one KV head, or one of those
 heads (plan says when); the threads take runs of tasks holding equal numbers of keys, and a row
@@ -158,8 +159,8 @@ def _run(lo, hi, q, kv, c, layer, tables, positions, heads, kv_heads, head_dim, 
     # the Cache tuple's members fused_kv.load reads, taken out once (fused_kv.py says why)
     kind, codes, block_scale, kscale, vscale = (c[fused_kv.KIND], c[fused_kv.CODES], c[fused_kv.SCALE],
                                                 c[fused_kv.KSCALE], c[fused_kv.VSCALE])
-    q4_group, f16, exact, recent, sink, sink_slot = (c[fused_kv.GROUP], c[fused_kv.LUT16], c[fused_kv.ROWS],
-                                                     c[fused_kv.RECENT], c[fused_kv.SINK], c[fused_kv.FIRST])
+    q4_group, exact, recent, sink, sink_slot = (c[fused_kv.GROUP], c[fused_kv.ROWS], c[fused_kv.RECENT],
+                                                c[fused_kv.SINK], c[fused_kv.FIRST])
     quantized = kind != fused_kv.PLAIN
     part_acc, part_top, part_sum = partial
     per = part_acc.shape[1]  # heads a task
@@ -186,7 +187,7 @@ def _run(lo, hi, q, kv, c, layer, tables, positions, heads, kv_heads, head_dim, 
             src, at, stride = kvf, b * per_block + layer * per_layer + off * per_key + kh * hd, per_key
             if quantized:
                 if t == 0 or off == 0:  # the block's keys the bundle reads
-                    fused_kv.load(kind, codes, block_scale, kscale, vscale, q4_group, f16, exact, recent, sink,
+                    fused_kv.load(kind, codes, block_scale, kscale, vscale, q4_group, exact, recent, sink,
                                   sink_slot, layer, 0, b, kh, min(block, off + most - t), tile)
                 src, at, stride = tf, off * hd, hd
             for m in range(n):
@@ -220,7 +221,7 @@ def _run(lo, hi, q, kv, c, layer, tables, positions, heads, kv_heads, head_dim, 
             run_len = min(block - off, most - t)
             src, at, stride = kvf, b * per_block + layer * per_layer + per_layer // 2 + off * per_key + kh * hd, per_key
             if quantized:
-                fused_kv.load(kind, codes, block_scale, kscale, vscale, q4_group, f16, exact, recent, sink, sink_slot,
+                fused_kv.load(kind, codes, block_scale, kscale, vscale, q4_group, exact, recent, sink, sink_slot,
                               layer, 1, b, kh, off + run_len, tile)
                 src, at, stride = tf, off * hd, hd
             for m in range(n):

@@ -40,15 +40,18 @@ def check_fp8_codes() -> None:
 
 def check_q4_rows() -> None:
     """Keys (a scale a channel) and values (a scale a token and group of 32) of blocks written by
-    Q4Format.write, rows of very different sizes among them, and a block read only in part."""
+    Q4Format.write, rows of very different sizes among them (down to float16 subnormal scales),
+    and a block read only in part."""
     fmt = make_format("q4", L, BS, KVH, HD)
     store = fmt.allocate(3)
     gen = torch.Generator().manual_seed(0)
     for pos in range(2 * BS):
         for layer in range(L):
-            k, v = (torch.randn(1, KVH, HD, generator=gen) * 10.0 ** torch.randint(-3, 3, (1, KVH, 1), generator=gen)
+            k, v = (torch.randn(1, KVH, HD, generator=gen) * 10.0 ** torch.randint(-7, 3, (1, KVH, 1), generator=gen)
                     for _ in range(2))
             fmt.write(store, layer, torch.tensor([2 - pos // BS]), torch.tensor([pos % BS]), k, v, torch.tensor([pos]))
+    small = store["vscale"].view(torch.int16) & 0x7C00 == 0
+    assert small.any() and (store["vscale"][small] != 0).any()  # subnormal scales were written
     tile = np.empty((BS, HD), np.float32)
     for b in (2, 1):
         for layer in range(L):
