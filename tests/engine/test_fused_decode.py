@@ -60,11 +60,7 @@ def test_every_decode_step_equals_the_forward(q4_model):
     for pos in range(5, 45):
         for cache in caches:
             cache.reserve(1)
-        cache = caches[0]
-        b, o = cache.slots(pos, 1)
-        step = Step(positions=torch.tensor([pos]), write_blocks=b, write_offsets=o, query_lens=[1],
-                    context_lens=[pos + 1], block_tables=torch.tensor([cache.blocks]), logits_rows=None,
-                    is_decode=True)
+        step = decode_step(caches[:1])
         want_features, got_features = [], np.empty((1, cfg.hidden_size), np.float32)
         want = m.forward(torch.tensor([ids[pos]]), step, fmt, pools[0].store, features=want_features)
         got = fused([(ids[pos], pos, caches[1].blocks)], pools[1].store, features=got_features)
@@ -87,6 +83,17 @@ def prefill(model, fmt, pool, ids) -> PagedKVCache:
     return cache
 
 
+def decode_step(caches: list[PagedKVCache]) -> Step:
+    """Model.forward's Step for one new token after each cache's last (its slot reserved)."""
+    blocks, offsets = zip(*[c.slots(c.length, 1) for c in caches], strict=True)
+    width = max(len(c.blocks) for c in caches)
+    return Step(positions=torch.tensor([c.length for c in caches]), write_blocks=torch.cat(blocks),
+                write_offsets=torch.cat(offsets), query_lens=[1] * len(caches),
+                context_lens=[c.length + 1 for c in caches],
+                block_tables=torch.tensor([c.blocks + [0] * (width - len(c.blocks)) for c in caches]),
+                logits_rows=None, is_decode=True)
+
+
 @pytest.mark.parametrize("rows", [2, 3, MANY])
 def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
     """Sequences of different lengths (14 to 14 + 3 * rows: one block, two, a block's last slot)
@@ -98,14 +105,7 @@ def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
     nxt = torch.randint(3, cfg.vocab_size, (rows,), generator=g).tolist()
     pools = [BlockPool(fmt, 8 * rows) for _ in range(2)]
     caches = [[prefill(m, fmt, pool, p) for p in prompts] for pool in pools]
-    ref = caches[0]
-    blocks, offsets = zip(*[c.slots(c.length, 1) for c in ref], strict=True)
-    width = max(len(c.blocks) for c in ref)
-    step = Step(positions=torch.tensor([c.length for c in ref]), write_blocks=torch.cat(blocks),
-                write_offsets=torch.cat(offsets), query_lens=[1] * rows, context_lens=[c.length + 1 for c in ref],
-                block_tables=torch.tensor([c.blocks + [0] * (width - len(c.blocks)) for c in ref]),
-                logits_rows=None, is_decode=True)
-    want = m.forward(torch.tensor(nxt), step, fmt, pools[0].store)
+    want = m.forward(torch.tensor(nxt), decode_step(caches[0]), fmt, pools[0].store)
     got = FusedDecode(m)([(t, c.length, c.blocks) for t, c in zip(nxt, caches[1], strict=True)], pools[1].store)
     assert_near(got, want)
     for a, b in zip(caches[0], caches[1], strict=True):

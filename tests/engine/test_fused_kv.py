@@ -10,13 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from kvgen.engine import fused_kv, plain_attention
-from kvgen.engine.attention import Step
 from kvgen.engine.calibration import calibrate_format
 from kvgen.engine.fused_decode import FusedDecode
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model_runner import ModelRunner
-from tests.engine.test_fused_decode import prefill, q4_model  # noqa: F401  (fixture)
+from tests.engine.test_fused_decode import decode_step, prefill, q4_model  # noqa: F401  (fixture)
 from tests.engine.test_loader import bpe, gguf_base  # noqa: F401  (fixtures)
 
 # more rows than a kernel call takes at once (cpu_kernels.ROWS_AT_ONCE), and not a multiple of it
@@ -173,12 +172,7 @@ def test_every_decode_step_equals_the_forward(q4_model, name, slots):  # noqa: F
     for pos in range(5, 49):
         for cache in caches:
             cache.reserve(1)
-        cache = caches[0]
-        b, o = cache.slots(pos, 1)
-        step = Step(positions=torch.tensor([pos]), write_blocks=b, write_offsets=o, query_lens=[1],
-                    context_lens=[pos + 1], block_tables=torch.tensor([cache.blocks]), logits_rows=None,
-                    is_decode=True)
-        want = m.forward(torch.tensor([ids[pos]]), step, fmts[0], pools[0].store)
+        want = m.forward(torch.tensor([ids[pos]]), decode_step(caches[:1]), fmts[0], pools[0].store)
         got = fused([(ids[pos], pos, caches[1].blocks)], pools[1].store, fmts[1])
         assert_logits_near(got, want)
         for c in caches:
@@ -201,14 +195,7 @@ def test_a_step_of_several_sequences_equals_the_forward(q4_model, name, slots, r
     nxt = torch.randint(3, cfg.vocab_size, (rows,), generator=g).tolist()
     pools = [BlockPool(f, 8 * rows) for f in fmts]
     caches = [[prefill(m, f, pool, p) for p in prompts] for f, pool in zip(fmts, pools, strict=True)]
-    ref = caches[0]
-    blocks, offsets = zip(*[c.slots(c.length, 1) for c in ref], strict=True)
-    width = max(len(c.blocks) for c in ref)
-    step = Step(positions=torch.tensor([c.length for c in ref]), write_blocks=torch.cat(blocks),
-                write_offsets=torch.cat(offsets), query_lens=[1] * rows, context_lens=[c.length + 1 for c in ref],
-                block_tables=torch.tensor([c.blocks + [0] * (width - len(c.blocks)) for c in ref]),
-                logits_rows=None, is_decode=True)
-    want = m.forward(torch.tensor(nxt), step, fmts[0], pools[0].store)
+    want = m.forward(torch.tensor(nxt), decode_step(caches[0]), fmts[0], pools[0].store)
     got = FusedDecode(m)([(t, c.length, c.blocks) for t, c in zip(nxt, caches[1], strict=True)],
                          pools[1].store, fmts[1])
     assert_logits_near(got, want)
