@@ -258,9 +258,9 @@ def _copy_sink(sink, slot, layer, kv, h, tile):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def _load_fp8(codes, scales, layer, kv, b, h, n, tile):  # pragma: no cover - compiled
     kvh, hd = codes.shape[4], tile.shape[1]
-    at = ((b * codes.shape[1] + layer) * 2 + kv) * codes.shape[3] * kvh + h
-    kv_lanes.fp8_rows(codes, at * hd, kvh * hd, n, hd, scales, ((b * codes.shape[1] + layer) * 2 + kv) * kvh + h,
-                      0, 1, tile)
+    half = (b * codes.shape[1] + layer) * 2 + kv  # codes[b, layer, kv], scales[b, layer, kv]
+    kv_lanes.fp8_rows(codes, (half * codes.shape[3] * kvh + h) * hd, kvh * hd, n, hd, scales, half * kvh + h, 0, 1,
+                      tile)
 
 
 @njit(cache=True, nogil=True)
