@@ -67,17 +67,20 @@ def kvgen_rates(gen: Generator, prompts: list[str], new_tokens: int) -> list[flo
     return rates
 
 
-def streams(gen: Generator, n: int, new_tokens: int) -> float:
+def streams(gen: Generator, n: int, new_tokens: int) -> tuple[float, float]:
     """Aggregate tok/s of n requests that arrive together and take new_tokens on average, from a
     quarter to 1.75x of it (staggered as real ones are: the load falls as the short ones finish,
-    and the last ones may draft again)."""
+    and the last ones may draft again), and tokens per second of the process's CPU time: a
+    neighbour's load on 2 shared cores stretches the wall time (+-20% run to run here), far less
+    the work done."""
     prompts = [p for ps in SETS.values() for p in ps]
     prompts = (prompts * n)[:n]
     params = [SamplingParams(temperature=0, max_new_tokens=new_tokens // 4 + (3 * new_tokens // 2) * i // max(1, n - 1),
                              ignore_eos=True) for i in range(n)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     out = gen.batch_generate(prompts, params)
-    return sum(len(r.token_ids) for r in out) / (time.perf_counter() - t0)
+    tokens = sum(len(r.token_ids) for r in out)
+    return tokens / (time.perf_counter() - t0), tokens / (time.process_time() - c0)
 
 
 def llamacpp(prompts: list[str], new_tokens: int, draft_tokens: int, eos_ids: list[int]) -> dict | None:
@@ -93,7 +96,7 @@ RUNS = (("off", "auto"), ("ngram", "auto"), ("off", "fp32"), ("draft", "fp32"))
 # an EAGLE head trained here (make eagle-head; none can be downloaded), where one was
 EAGLE_HEAD = Path(__file__).resolve().parent / ".cache" / "eagle" / "smollm2-135m-eagle.safetensors"
 EAGLE_RUNS = (("eagle", "auto"), ("eagle", "fp32"))
-STREAM_RUNS = 5  # one run of 16 streams on 2 shared cores varies by +-15%
+STREAM_RUNS = 7  # one run of 16 streams on 2 shared cores varies by +-15% (rounds: paired ratios)
 
 
 def main() -> int:
@@ -113,6 +116,7 @@ def main() -> int:
     draft = load_model(path, "auto")[0]  # DRAFT_WEIGHT_DTYPE's default: the GGUF's own blocks
     opts = EngineOptions(speculative_tokens=5)
     rows, accept, stream_accept = {}, {}, {}  # (mode, weights) -> (kept, drafted) tokens
+    rounds = {}  # (mode, weights, set) -> each round's mean rate over the set
     # The drafters of one weight setting alternate round by round (a neighbour's burst of load on
     # 2 shared cores then costs both alike), one engine at a time: two live engine threads would
     # each hold a worker pool, and two pools on 2 cores slow every step (kvgen/engine/threads.py).
@@ -132,6 +136,7 @@ def main() -> int:
                     for name, prompts in SETS.items():
                         got = kvgen_rates(gen, prompts, args.new_tokens)
                         old = rows.get((mode, weights, name), got)
+                        rounds.setdefault((mode, weights, name), []).append(statistics.mean(got))
                         rows[(mode, weights, name)] = [max(a, b) for a, b in zip(old, got, strict=True)]
                         print(f"kvgen {weights:4} {mode:5} {name:12}: {[f'{r:.1f}' for r in got]} tok/s", flush=True)
                     tally(accept, (mode, weights), gen.engine)
@@ -144,12 +149,13 @@ def main() -> int:
             for mode in modes:
                 gen = engine(weights, mode)
                 try:
-                    got = streams(gen, args.streams, 64)
+                    got, cpu = streams(gen, args.streams, 64)
                 finally:
                     gen.close()
-                rows[(mode, weights, "streams")] = [max(got, *rows.get((mode, weights, "streams"), [0.0]))]
+                rows.setdefault((mode, weights, "streams"), []).append(got)
+                rows.setdefault((mode, weights, "streams-cpu"), []).append(cpu)
                 tally(stream_accept, (mode, weights), gen.engine)
-                print(f"kvgen {weights:4} {mode:5} {args.streams} streams: {got:.1f} tok/s "
+                print(f"kvgen {weights:4} {mode:5} {args.streams} streams: {got:.1f} tok/s, {cpu:.1f} per CPU-s "
                       f"({gen.engine.drafted_tokens} drafted)", flush=True)
     all_prompts = [p for ps in SETS.values() for p in ps]
     peer = llamacpp(all_prompts, args.new_tokens, opts.speculative_tokens, models["fp32"][0].cfg.eos_token_ids)
@@ -162,7 +168,7 @@ def main() -> int:
                 peer_rows[(kind, name)] = rates[at:at + len(prompts)]
                 at += len(prompts)
             print(f"llama.cpp {kind}: {[f'{r:.1f}' for r in rates]}", flush=True)
-    text = render(rows, peer_rows, accept, stream_accept, args, time.perf_counter() - t_start,
+    text = render(rows, rounds, peer_rows, accept, stream_accept, args, time.perf_counter() - t_start,
                   models["auto"][0].weight_dtype, runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
@@ -176,8 +182,14 @@ def tally(counts: dict, key, engine) -> None:
     counts[key] = (kept + engine.accepted_tokens, drafted + engine.drafted_tokens)
 
 
-def render(rows, peer_rows, accept, stream_accept, args, seconds: float, default: str, runs=RUNS) -> str:
+def render(rows, rounds, peer_rows, accept, stream_accept, args, seconds: float, default: str, runs=RUNS) -> str:
     mean = statistics.mean
+
+    def x(m, w, name):
+        """The median over rounds of a mode's mean rate on a set / plain decoding's in the same
+        round (neighbours' load on 2 shared cores moves whole rounds: bests from different
+        rounds once showed a 1.2x "speed-up" for a drafter that had stopped drafting)."""
+        return statistics.median(a / b for a, b in zip(rounds[(m, w, name)], rounds[("off", w, name)], strict=True))
     lines = [
         "# Speculative decoding (CPU)",
         "",
@@ -185,7 +197,8 @@ def render(rows, peer_rows, accept, stream_accept, args, seconds: float, default
         f"{peers.cores()} cores ({peers.cpu_name()}), torch {torch.__version__}, {seconds:.0f} s in all. "
         f"The embedded SmolLM2-135M; greedy, {args.new_tokens} new tokens (EOS banned in both engines); decode "
         f"tok/s after the first token, the best of {args.rounds} alternating rounds per prompt, mean over each "
-        f"set's prompts. Default weights: `WEIGHT_DTYPE=auto` ({default}), prompt lookup against plain decoding; "
+        f"set's prompts; x off: the median over rounds of the ratio of the two in one round. "
+        f"Default weights: `WEIGHT_DTYPE=auto` ({default}), prompt lookup against plain decoding; "
         "fp32: the draft model at the default DRAFT_WEIGHT_DTYPE (auto: the GGUF's own Q4_1 blocks) against "
         "plain fp32 decoding. "
         "llama.cpp: llama-cpp-python on the same Q4_1 GGUF, plain and with LlamaPromptLookupDecoding "
@@ -199,19 +212,30 @@ def render(rows, peer_rows, accept, stream_accept, args, seconds: float, default
         off, ng, off32, dr = (mean(rows[(m, w, name)]) for m, w in RUNS)
         lp = mean(peer_rows[("plain", name)]) if peer_rows else float("nan")
         ll = mean(peer_rows[("lookup", name)]) if peer_rows else float("nan")
-        lines.append(f"| {name} | {off:.1f} | {ng:.1f} | {ng / off:.2f} | {off32:.1f} | {dr:.1f} | {dr / off32:.2f} "
+        lines.append(f"| {name} | {off:.1f} | {ng:.1f} | {x('ngram', 'auto', name):.2f} | {off32:.1f} | {dr:.1f} "
+                     f"| {x('draft', 'fp32', name):.2f} "
                      f"| {lp:.1f} | {ll:.1f} | {ng / ll:.2f} |")
 
     def per(m, w):
-        return rows[(m, w, "streams")][0]
+        return max(rows[(m, w, "streams")])
+
+    def paired(m, w, kind="streams"):
+        """The median over runs of a mode's rate / plain decoding's in the same round (neighbours'
+        load on 2 shared cores moves whole rounds: a ratio within one round is steadier than a best)."""
+        pairs = zip(rows[(m, w, kind)], rows[("off", w, kind)], strict=True)
+        return statistics.median(a / b for a, b in pairs)
 
     lines += [
         "",
         f"{args.streams} concurrent streams (arriving together, 16 to 112 tokens each, 64 on average, EOS ignored; "
-        f"best of {STREAM_RUNS} runs, the modes alternating run by run; SPECULATIVE_MAX_BATCH=8, so nobody drafts "
+        f"best of {STREAM_RUNS} rounds, the modes alternating run by run; SPECULATIVE_MAX_BATCH=8, so nobody drafts "
         "until the load falls to 8, and a draft model then catches up only where enough tokens are left): "
         "aggregate tok/s "
-        + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in runs) + ". "
+        + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in runs) + "; "
+        "the median of the rounds' paired ratios: "
+        + ", ".join(f"{w} {m} {paired(m, w):.2f}x" for m, w in runs if m != "off") + "; "
+        "tokens per second of the process's CPU time (all its threads), the same medians: "
+        + ", ".join(f"{w} {m} {paired(m, w, 'streams-cpu'):.2f}x" for m, w in runs if m != "off") + ". "
         "Drafted tokens over those runs: " + ", ".join(
             f"{w} {m} {stream_accept[m, w][1]} ({stream_accept[m, w][0]} kept)" for m, w in runs if m != "off") + ".",
         "",
@@ -231,7 +255,8 @@ def render(rows, peer_rows, accept, stream_accept, args, seconds: float, default
         for name in SETS:
             off, off32 = mean(rows[("off", "auto", name)]), mean(rows[("off", "fp32", name)])
             ea, ea32 = mean(rows[("eagle", "auto", name)]), mean(rows[("eagle", "fp32", name)])
-            lines.append(f"| {name} | {ea:.1f} | {ea / off:.2f} | {ea32:.1f} | {ea32 / off32:.2f} |")
+            lines.append(f"| {name} | {ea:.1f} | {x('eagle', 'auto', name):.2f} | {ea32:.1f} "
+                         f"| {x('eagle', 'fp32', name):.2f} |")
         lines.append("")
     return "\n".join(lines)
 

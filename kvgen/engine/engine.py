@@ -22,10 +22,13 @@ from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import sample, token_logprobs
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import FinishReason, Sequence
-from kvgen.engine.speculative import accept, draft_cap, worth_catching_up
+from kvgen.engine.speculative import DraftEconomy, accept, draft_cap, worth_catching_up
 from kvgen.errors import Overloaded
 
 log = logging.getLogger("kvgen.engine")
+# A drafter this many tokens behind a sequence is following it (the target's own token, after a
+# fully kept draft one more), not catching up
+STEADY_LAG = 2
 
 
 class Engine:
@@ -65,6 +68,7 @@ class Engine:
         self.draft_tokens = draft_tokens
         self.draft_max_batch = draft_max_batch
         self.runner.keep_features = drafter is not None and drafter.wants_features
+        self.economy = DraftEconomy()  # measured: whether a drafted token saves more than it costs
         self.drafted_tokens = self.accepted_tokens = 0  # totals, for benchmarks and GetModelInfo-style reports
 
     # called from any thread
@@ -192,6 +196,8 @@ class Engine:
         masks = self.masks.start([seq.matcher for seq in todo]) if todo else None
         try:
             logits = self.runner.run(batch)  # float32, on the CPU: sampling uses per-sequence torch.Generators
+            if self.drafter is not None and all(n == 1 + len(seq.draft) for seq, n in batch):
+                self.economy.record_step(time.perf_counter() - t0, len(batch))  # a decode step's cost
         finally:  # waited for on failure too: no matcher may still be in use when tokens are fed to them
             fresh = masks.result() if masks else None
             early = ahead[1].result() if ahead else None
@@ -314,10 +320,22 @@ class Engine:
             # whole context behind with a few tokens to go
             if len(seq.output_ids) > 1 and not worth_catching_up(self.drafter.lag(seq), left + 1):
                 continue
+            # a sequence's first draft is always tried (it probes what this drafter keeps for it)
+            if seq.verifications and not self.economy.pays(seq.drafted, seq.accepted):
+                continue
             k = min(cap, seq.draft_length.k, left)
             if k > 0:
                 wanted.append((seq, k))
-        for seq, (tokens, q) in self.drafter.propose(wanted).items():
+        if not wanted:
+            return
+        # a drafted token's cost is measured where no drafter catches up (reads a prompt, or what
+        # was decoded under load, first): that is paid once a sequence, not once a token
+        steady = all(self.drafter.lag(seq) <= STEADY_LAG for seq, _ in wanted)
+        t0 = time.perf_counter()
+        drafts = self.drafter.propose(wanted)
+        if steady:
+            self.economy.record_draft(time.perf_counter() - t0, sum(len(tokens) for tokens, _ in drafts.values()))
+        for seq, (tokens, q) in drafts.items():
             seq.draft, seq.draft_q = tokens, q
 
     def _fit_drafts(self, batch) -> None:
@@ -341,6 +359,7 @@ class Engine:
         kept = len(out) - 1
         self.scheduler.kv.truncate(seq.cache, start + 1 + kept)
         seq.record_draft(len(draft), kept)
+        self.economy.record_check(len(draft), kept)
         self.drafted_tokens += len(draft)
         self.accepted_tokens += kept
         self._emit(seq, out)

@@ -8,17 +8,18 @@ draft_model.py  DraftModel: a cheaper model with the target's vocabulary decodes
 eagle.py        Eagle: a one-layer head over the target's own hidden states drafts (EAGLE-1 layout)
 verify.py       accept(): greedy prefix match, or rejection sampling (lossless in distribution)
 policy.py       DraftLength: each sequence's adaptive k (the seeds' 0.8 / 0.4 thresholds) and
-                the batch-size cap (speculation pays at low load only), and when a drafter
-                far behind a sequence is worth catching up
+                the batch-size cap (speculation pays at low load only), when a drafter
+                far behind a sequence is worth catching up, and DraftEconomy: whether a
+                drafted token saves more target time than it costs (measured)
 """
 
 from kvgen.engine.speculative.draft_model import DraftModel
 from kvgen.engine.speculative.eagle import Eagle, load_head
 from kvgen.engine.speculative.ngram import PromptLookup
-from kvgen.engine.speculative.policy import DraftLength, draft_cap, worth_catching_up
+from kvgen.engine.speculative.policy import DraftEconomy, DraftLength, draft_cap, worth_catching_up
 from kvgen.engine.speculative.verify import accept
 
 MODES = ("off", "ngram", "draft", "eagle")
 
-__all__ = ["MODES", "DraftLength", "DraftModel", "Eagle", "PromptLookup", "accept", "draft_cap", "load_head",
-           "worth_catching_up"]
+__all__ = ["MODES", "DraftEconomy", "DraftLength", "DraftModel", "Eagle", "PromptLookup", "accept", "draft_cap",
+           "load_head", "worth_catching_up"]

@@ -1,9 +1,12 @@
 """Each sequence's draft length follows its acceptance with the seeds' thresholds, the batch
-size caps it, and a draft model far behind a sequence with little left to take does not start."""
+size caps it, a draft model far behind a sequence with little left to take does not start, and a
+drafter whose tokens cost more target time than the kept ones save stops drafting."""
+
+import time
 
 from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.sampling import SamplingParams
-from kvgen.engine.speculative import DraftLength, draft_cap, worth_catching_up
+from kvgen.engine.speculative import DraftEconomy, DraftLength, draft_cap, worth_catching_up
 from kvgen.engine.speculative.policy import CATCH_UP
 from tests.engine.test_batch_invariance import small_model
 
@@ -69,10 +72,12 @@ def test_a_large_batch_drafts_less_and_then_not_at_all():
     assert draft_cap(9, 8, 8) == 0
 
 
-def test_model_drafters_start_at_one_token_and_grow_with_acceptance():
+def test_model_drafters_start_at_one_token_and_grow_with_acceptance(monkeypatch):
     """In the engine: a draft model (each drafted token costs it a forward) first drafts one token
     and earns more, a check at a time, while its drafts are kept (here it is the target itself:
-    all are); prompt lookup (free to propose) starts at its default length."""
+    all are); prompt lookup (free to propose) starts at its default length. (A self-draft costs
+    what it saves: the cost gate, tested below, is held open here.)"""
+    monkeypatch.setattr(DraftEconomy, "pays", lambda self, drafted, kept: True)
     small = small_model()
     asked = {}
     for mode in ("draft", "ngram"):
@@ -131,3 +136,72 @@ def test_when_load_falls_a_draft_model_far_behind_does_not_start():
     assert first_lag > 26  # the prompt and the tokens decoded under load
     assert all(worth_catching_up(lag, left) for _, lag, left in asked)
     assert all(lag <= 2 for _, lag, _ in asked[1:])
+
+
+def test_the_cost_gate_weighs_acceptance_against_the_measured_costs():
+    e = DraftEconomy()
+    assert e.pays(0, 0)  # nothing measured yet: draft
+    e.record_step(0.010, 1)  # 10 ms a sequence a step
+    e.record_draft(0.004, 1)  # 4 ms a drafted token
+    assert e.pays(0, 0)  # no acceptance pooled yet
+    for _ in range(8):
+        e.record_check(1, 0)
+    e.record_check(4, 1)  # pooled ~8%: a kept draft saves ~0.8 ms, a draft costs 4
+    assert not e.pays(0, 0)
+    assert e.pays(20, 20)  # a sequence whose drafts are all kept outweighs the pool
+    assert not e.pays(1, 1)  # one kept draft does not (drawn toward the pool)
+    cheap = DraftEconomy(draft_seconds=0.0001, token_seconds=0.010, drafted=10, kept=1)
+    assert cheap.pays(10, 1)  # 10% kept, nearly free: worth it
+
+
+class Scripted:
+    """Drafts the target's own greedy continuation (every draft kept), `cost` seconds a token."""
+
+    wants_features = False
+    first_k = 1
+
+    def __init__(self, reference: list[int], cost: float):
+        self.reference, self.cost = reference, cost
+
+    def propose(self, wanted):
+        out = {}
+        for seq, k in wanted:
+            at = len(seq.output_ids)
+            draft = self.reference[at:at + k]
+            if draft:
+                time.sleep(self.cost * len(draft))
+                out[seq] = (draft, None)
+        return out
+
+    def lag(self, seq):
+        return 0
+
+    def forget(self, seq):
+        pass
+
+
+def test_a_drafter_slower_than_the_steps_it_saves_stops_after_its_probe():
+    """Every draft is kept; a free drafter drafts to the end, one that takes 100x the time of the
+    target's step per token stops once that is measured: its first draft (the probe) only."""
+    small = small_model()
+    prompt, params = "the cat sat on the mat", SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    gen = Generator(*small, EngineOptions())
+    try:
+        reference = gen.generate(prompt, params).token_ids
+        step = time.perf_counter()
+        gen.generate(prompt, SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True))
+        step = (time.perf_counter() - step) / 10
+    finally:
+        gen.close()
+    drafted = {}
+    for cost in (0.0, 100 * step):
+        gen = Generator(*small, EngineOptions(speculative="ngram", speculative_tokens=4))
+        gen.engine.drafter = Scripted(reference, cost)
+        try:
+            assert gen.generate(prompt, params).token_ids == reference
+        finally:
+            gen.close()
+        drafted[cost] = gen.engine.drafted_tokens
+        assert gen.engine.accepted_tokens == drafted[cost]
+    assert drafted[0.0] >= 30  # 40 tokens, nearly all drafted
+    assert drafted[100 * step] == 1
