@@ -106,11 +106,14 @@ def test_a_drafter_catches_up_only_for_enough_tokens_left():
     assert not worth_catching_up(CATCH_UP * 40 + 1, 40)
 
 
-def test_when_load_falls_a_draft_model_far_behind_does_not_start():
+def test_when_load_falls_a_draft_model_far_behind_does_not_start(monkeypatch):
     """8 requests of staggered lengths over a batch cap of 4: nobody drafts until 4 are done
     (26 tokens); the draft model is then a whole context behind the rest. The one with 174
     tokens left catches up and drafts; those with 4-8 left decode plain to the end. Once
-    caught up, the draft lags one token (the target's own) or two (after a fully kept draft)."""
+    caught up, the draft lags one token (the target's own) or two (after a fully kept draft).
+    (The cost gate is held open: this self-draft costs about what it saves, and where the gate
+    paused it, a later draft would first catch up what was decoded meanwhile.)"""
+    monkeypatch.setattr(DraftEconomy, "pays", lambda self, drafted, kept: True)
     small = small_model()
     gen = Generator(*small, EngineOptions(speculative="draft", speculative_tokens=4, speculative_max_batch=4,
                                           max_running=8), draft_model=small[0])
