@@ -308,6 +308,9 @@ class Engine:
             return
         room = self.model.cfg.context_length
         wanted = []
+        # a drafted token's cost is measured where no drafter catches up (reads a prompt, or what
+        # was decoded under load, first): that is paid once a sequence, not once a token
+        steady = True
         for seq in running:
             if seq.pending != 1 or seq.finished or not self._speculates(seq):
                 continue
@@ -318,7 +321,8 @@ class Engine:
             # a fresh request's draft reads its prompt as the target just did (worth it at low
             # load, where requests start drafting); one that decoded plain under load may be a
             # whole context behind with a few tokens to go
-            if len(seq.output_ids) > 1 and not worth_catching_up(self.drafter.lag(seq), left + 1):
+            lag = self.drafter.lag(seq)
+            if len(seq.output_ids) > 1 and not worth_catching_up(lag, left + 1):
                 continue
             # a sequence's first draft is always tried (it probes what this drafter keeps for it)
             if seq.verifications and not self.economy.pays(seq.drafted, seq.accepted):
@@ -326,11 +330,9 @@ class Engine:
             k = min(cap, seq.draft_length.k, left)
             if k > 0:
                 wanted.append((seq, k))
+                steady = steady and lag <= STEADY_LAG
         if not wanted:
             return
-        # a drafted token's cost is measured where no drafter catches up (reads a prompt, or what
-        # was decoded under load, first): that is paid once a sequence, not once a token
-        steady = all(self.drafter.lag(seq) <= STEADY_LAG for seq, _ in wanted)
         t0 = time.perf_counter()
         drafts = self.drafter.propose(wanted)
         if steady:
