@@ -13,7 +13,7 @@ from bench.eagle_head import collect, evaluate, features, head_forward, init_hea
 from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.sampling import SamplingParams
-from kvgen.engine.speculative import DraftEconomy, Eagle, load_head
+from kvgen.engine.speculative import Eagle, load_head
 from kvgen.engine.speculative.eagle import _Head
 from tests.engine.speculative.test_lossless import eagle_head
 from tests.engine.test_batch_invariance import SMALL as CFG
@@ -57,12 +57,11 @@ def test_training_forward_is_the_served_head(tiny, tmp_path):
     torch.testing.assert_close(guess, want[23:], atol=1e-5, rtol=1e-5)
 
 
-def test_a_trained_head_learns_and_drafts_losslessly(tiny, data, tmp_path, monkeypatch):
+def test_a_trained_head_learns_and_drafts_losslessly(tiny, data, tmp_path, gate_open):
     model, tok = tiny
     # Over this 2-layer target a head's drafted token costs about a target step, so the engine's
     # cost gate (test_policy.py) would stop either head after its first draft: held open here,
     # where what is measured is what each head keeps
-    monkeypatch.setattr(DraftEconomy, "pays", lambda self, drafted, kept: True)
     assert len(data) == 72 and all(len(s) == len(f) and f.shape[1] == CFG.hidden_size for s, f in data)
     held, train_set = data[:8], data[8:]
     before = evaluate(init_head(CFG), model, held)

@@ -72,12 +72,11 @@ def test_a_large_batch_drafts_less_and_then_not_at_all():
     assert draft_cap(9, 8, 8) == 0
 
 
-def test_model_drafters_start_at_one_token_and_grow_with_acceptance(monkeypatch):
+def test_model_drafters_start_at_one_token_and_grow_with_acceptance(gate_open):
     """In the engine: a draft model (each drafted token costs it a forward) first drafts one token
     and earns more, a check at a time, while its drafts are kept (here it is the target itself:
     all are); prompt lookup (free to propose) starts at its default length. (A self-draft costs
     what it saves: the cost gate, tested below, is held open here.)"""
-    monkeypatch.setattr(DraftEconomy, "pays", lambda self, drafted, kept: True)
     small = small_model()
     asked = {}
     for mode in ("draft", "ngram"):
@@ -106,14 +105,13 @@ def test_a_drafter_catches_up_only_for_enough_tokens_left():
     assert not worth_catching_up(CATCH_UP * 40 + 1, 40)
 
 
-def test_when_load_falls_a_draft_model_far_behind_does_not_start(monkeypatch):
+def test_when_load_falls_a_draft_model_far_behind_does_not_start(gate_open):
     """8 requests of staggered lengths over a batch cap of 4: nobody drafts until 4 are done
     (26 tokens); the draft model is then a whole context behind the rest. The one with 174
     tokens left catches up and drafts; those with 4-8 left decode plain to the end. Once
     caught up, the draft lags one token (the target's own) or two (after a fully kept draft).
     (The cost gate is held open: this self-draft costs about what it saves, and where the gate
     paused it, a later draft would first catch up what was decoded meanwhile.)"""
-    monkeypatch.setattr(DraftEconomy, "pays", lambda self, drafted, kept: True)
     small = small_model()
     gen = Generator(*small, EngineOptions(speculative="draft", speculative_tokens=4, speculative_max_batch=4,
                                           max_running=8), draft_model=small[0])
