@@ -116,7 +116,7 @@ def main() -> int:
     draft = load_model(path, "auto")[0]  # DRAFT_WEIGHT_DTYPE's default: the GGUF's own blocks
     opts = EngineOptions(speculative_tokens=5)
     rows, accept, stream_accept = {}, {}, {}  # (mode, weights) -> (kept, drafted) tokens
-    rounds = {}  # (mode, weights, set) -> each round's mean rate over the set
+    rounds = {}  # (mode, weights, set) -> each round's mean rate over the set; (..., "streams"[-cpu]): each run's
     # The drafters of one weight setting alternate round by round (a neighbour's burst of load on
     # 2 shared cores then costs both alike), one engine at a time: two live engine threads would
     # each hold a worker pool, and two pools on 2 cores slow every step (kvgen/engine/threads.py).
@@ -152,8 +152,8 @@ def main() -> int:
                     got, cpu = streams(gen, args.streams, 64)
                 finally:
                     gen.close()
-                rows.setdefault((mode, weights, "streams"), []).append(got)
-                rows.setdefault((mode, weights, "streams-cpu"), []).append(cpu)
+                rounds.setdefault((mode, weights, "streams"), []).append(got)
+                rounds.setdefault((mode, weights, "streams-cpu"), []).append(cpu)
                 tally(stream_accept, (mode, weights), gen.engine)
                 print(f"kvgen {weights:4} {mode:5} {args.streams} streams: {got:.1f} tok/s, {cpu:.1f} per CPU-s "
                       f"({gen.engine.drafted_tokens} drafted)", flush=True)
@@ -185,11 +185,12 @@ def tally(counts: dict, key, engine) -> None:
 def render(rows, rounds, peer_rows, accept, stream_accept, args, seconds: float, default: str, runs=RUNS) -> str:
     mean = statistics.mean
 
-    def x(m, w, name):
-        """The median over rounds of a mode's mean rate on a set / plain decoding's in the same
-        round (neighbours' load on 2 shared cores moves whole rounds: bests from different
-        rounds once showed a 1.2x "speed-up" for a drafter that had stopped drafting)."""
-        return statistics.median(a / b for a, b in zip(rounds[(m, w, name)], rounds[("off", w, name)], strict=True))
+    def x(m, w, key):
+        """The median over rounds of a mode's rate (mean over a set, or a 16-stream run) / plain
+        decoding's in the same round (neighbours' load on 2 shared cores moves whole rounds:
+        bests from different rounds once showed a 1.2x "speed-up" for a drafter that had stopped
+        drafting)."""
+        return statistics.median(a / b for a, b in zip(rounds[(m, w, key)], rounds[("off", w, key)], strict=True))
     lines = [
         "# Speculative decoding (CPU)",
         "",
@@ -217,13 +218,7 @@ def render(rows, rounds, peer_rows, accept, stream_accept, args, seconds: float,
                      f"| {lp:.1f} | {ll:.1f} | {ng / ll:.2f} |")
 
     def per(m, w):
-        return max(rows[(m, w, "streams")])
-
-    def paired(m, w, kind="streams"):
-        """The median over runs of a mode's rate / plain decoding's in the same round (neighbours'
-        load on 2 shared cores moves whole rounds: a ratio within one round is steadier than a best)."""
-        pairs = zip(rows[(m, w, kind)], rows[("off", w, kind)], strict=True)
-        return statistics.median(a / b for a, b in pairs)
+        return max(rounds[(m, w, "streams")])
 
     lines += [
         "",
@@ -233,9 +228,9 @@ def render(rows, rounds, peer_rows, accept, stream_accept, args, seconds: float,
         "aggregate tok/s "
         + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in runs) + "; "
         "the median of the rounds' paired ratios: "
-        + ", ".join(f"{w} {m} {paired(m, w):.2f}x" for m, w in runs if m != "off") + "; "
+        + ", ".join(f"{w} {m} {x(m, w, 'streams'):.2f}x" for m, w in runs if m != "off") + "; "
         "tokens per second of the process's CPU time (all its threads), the same medians: "
-        + ", ".join(f"{w} {m} {paired(m, w, 'streams-cpu'):.2f}x" for m, w in runs if m != "off") + ". "
+        + ", ".join(f"{w} {m} {x(m, w, 'streams-cpu'):.2f}x" for m, w in runs if m != "off") + ". "
         "Drafted tokens over those runs: " + ", ".join(
             f"{w} {m} {stream_accept[m, w][1]} ({stream_accept[m, w][0]} kept)" for m, w in runs if m != "off") + ".",
         "",
