@@ -96,7 +96,7 @@ RUNS = (("off", "auto"), ("ngram", "auto"), ("off", "fp32"), ("draft", "fp32"))
 # an EAGLE head trained here (make eagle-head; none can be downloaded), where one was
 EAGLE_HEAD = Path(__file__).resolve().parent / ".cache" / "eagle" / "smollm2-135m-eagle.safetensors"
 EAGLE_RUNS = (("eagle", "auto"), ("eagle", "fp32"))
-STREAM_RUNS = 7  # one run of 16 streams on 2 shared cores varies by +-15% (rounds: paired ratios)
+STREAM_RUNS = 10  # one run of 16 streams on 2 shared cores varies by +-15% (rounds: paired ratios)
 
 
 def main() -> int:
@@ -142,11 +142,12 @@ def main() -> int:
                     tally(accept, (mode, weights), gen.engine)
                 finally:
                     gen.close()
-        # 16 streams: one run per engine, the modes alternating run by run, each keeping its best
-        # (all of one mode's runs and then the other's once measured a 0.96x "loss" for a mode that
-        # drafts nothing at this load: the order, not the mode)
-        for _ in range(STREAM_RUNS):
-            for mode in modes:
+        # 16 streams: one run per engine, the modes alternating run by run, in reverse order every
+        # other round (ABBA: a drift over a round then favours no mode). All of one mode's runs and
+        # then the other's once measured a 0.96x "loss" for a mode that drafts nothing at this
+        # load: the order, not the mode.
+        for i in range(STREAM_RUNS):
+            for mode in modes[::-1] if i % 2 else modes:
                 gen = engine(weights, mode)
                 try:
                     got, cpu = streams(gen, args.streams, 64)
@@ -223,7 +224,7 @@ def render(rows, rounds, peer_rows, accept, stream_accept, args, seconds: float,
     lines += [
         "",
         f"{args.streams} concurrent streams (arriving together, 16 to 112 tokens each, 64 on average, EOS ignored; "
-        f"best of {STREAM_RUNS} rounds, the modes alternating run by run; SPECULATIVE_MAX_BATCH=8, so nobody drafts "
+        f"best of {STREAM_RUNS} rounds, the modes alternating run by run, in reverse order every other round; SPECULATIVE_MAX_BATCH=8, so nobody drafts "
         "until the load falls to 8, and a draft model then catches up only where enough tokens are left): "
         "aggregate tok/s "
         + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in runs) + "; "

@@ -197,7 +197,7 @@ class Engine:
         try:
             logits = self.runner.run(batch)  # float32, on the CPU: sampling uses per-sequence torch.Generators
             if self.drafter is not None and all(n == 1 + len(seq.draft) for seq, n in batch):
-                self.economy.record_step(time.perf_counter() - t0, len(batch))  # a decode step's cost
+                self.economy.record_step(time.perf_counter() - t0, sum(n for _, n in batch))  # a decode step's cost
         finally:  # waited for on failure too: no matcher may still be in use when tokens are fed to them
             fresh = masks.result() if masks else None
             early = ahead[1].result() if ahead else None
@@ -325,7 +325,7 @@ class Engine:
             if len(seq.output_ids) > 1 and not worth_catching_up(lag, left + 1):
                 continue
             # a sequence's first draft is always tried (it probes what this drafter keeps for it)
-            if seq.verifications and not self.economy.pays(seq.drafted, seq.accepted):
+            if seq.verifications and not self.economy.pays(seq.drafted, seq.accepted, len(running)):
                 continue
             k = min(cap, seq.draft_length.k, left)
             if k > 0:

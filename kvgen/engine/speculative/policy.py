@@ -33,46 +33,74 @@ FIRST_K = 4  # a sequence's draft length until its first check (drafters may sta
 CATCH_UP = 2
 
 
-# What a drafted token is worth, measured: the target's time per sequence in a decode step (a
-# kept draft saves its share of one) against the drafter's own time per drafted token. Prompt
-# lookup costs ~nothing; a draft model at int4 for an fp32 target ~a fifth of a step; the EAGLE
-# head trained here ~5 ms a token (its LM head is a fifth of SmolLM2's weights) against ~11 ms
-# steps at batch 1 over Q4_1 weights and ~4 ms a sequence at batch 8, keeping ~22% of drafts: it
-# cost 10% at batch 1 and 17% at 16 streams (each sequence's window of GIVE_UP_AFTER checks
-# drafting at a loss) before this gate. The verifying row's own cost is left out: it is small
-# where drafting is allowed at all (draft_cap), and unmeasured.
+# What a drafted token is worth, measured. A decode step over r rows takes about F + c r: F is
+# what every step pays however many rows it has (reading the weights, per-step overhead), c each
+# row's compute. A kept draft saves its sequence a step, so that sequence's share of one, F/n + c
+# with n sequences in the step; every drafted token costs its verifying row, c, and the drafter's
+# own time per token, d. So a sequence drafts while its acceptance a gives a (F/n + c) > c + d.
+# F and c are fitted to the decode steps the engine times (rows vary with the load and the drafts;
+# until they have varied, c is taken as 0: all of a step is F). Measured here (2 cores, Q4_1):
+# F ~10 ms and c ~2.7 ms, so at 8 sequences a draft must be kept ~70% of the time to pay, at 1
+# ~20%; a GPU's c is ~0. Drafters' d: prompt lookup ~nothing; a draft model at int4 for an fp32
+# target ~a fifth of a step; the EAGLE head trained here ~5 ms a token (its LM head is a fifth of
+# SmolLM2's weights) keeping ~22% of drafts: it cost 10% at batch 1 and 17% at 16 streams (each
+# sequence's window of GIVE_UP_AFTER checks drafting at a loss) before this gate.
 PRIOR = 4.0  # drafted tokens' worth of the drafter's pooled acceptance in a sequence's estimate
-DECAY = 0.9  # weight of the past in the measured costs and the pooled acceptance
+DECAY = 0.9  # weight of the past in the drafter's cost and the pooled acceptance
+FIT_DECAY = 0.98  # weight of the past in the step-time fit (~50 steps: loads and drafts vary slowly)
+MIN_SPREAD = 1.0  # rows' variance in the fit's steps below which c is not told apart from F
 
 
 @dataclass(slots=True)
 class DraftEconomy:
     """One engine's measured costs and its drafter's acceptance over every sequence."""
 
-    draft_seconds: float | None = None  # the drafter's time per drafted token
-    token_seconds: float | None = None  # the target's decode-step time per sequence in the step
+    draft_seconds: float | None = None  # d: the drafter's time per drafted token
     drafted: float = 0.0  # pooled over sequences, decayed per check
     kept: float = 0.0
+    # the step-time fit's decayed sums: weight, rows, seconds, rows^2, rows x seconds
+    steps: float = 0.0
+    rows: float = 0.0
+    seconds: float = 0.0
+    rows2: float = 0.0
+    rows_seconds: float = 0.0
 
     def record_draft(self, seconds: float, tokens: int) -> None:
         if tokens:
             self.draft_seconds = _average(self.draft_seconds, seconds / tokens)
 
-    def record_step(self, seconds: float, sequences: int) -> None:
-        self.token_seconds = _average(self.token_seconds, seconds / sequences)
+    def record_step(self, seconds: float, rows: int) -> None:
+        """One decode step (no prompt chunk): its time over its rows, drafts' included."""
+        f = FIT_DECAY
+        self.steps, self.rows, self.seconds = f * self.steps + 1, f * self.rows + rows, f * self.seconds + seconds
+        self.rows2, self.rows_seconds = f * self.rows2 + rows * rows, f * self.rows_seconds + rows * seconds
 
     def record_check(self, drafted: int, kept: int) -> None:
         self.drafted = DECAY * self.drafted + drafted
         self.kept = DECAY * self.kept + kept
 
-    def pays(self, drafted: int, kept: int) -> bool:
-        """Whether a sequence that kept `kept` of its `drafted` tokens should draft again: its
-        acceptance (drawn toward the pooled one while it has few checks) times a step's time per
-        sequence must beat the drafter's time per token. Until both costs are measured, it does."""
-        if self.draft_seconds is None or self.token_seconds is None or not self.drafted:
+    def step_cost(self) -> tuple[float, float] | None:
+        """(F, c): a decode step's fixed seconds and seconds per row, fitted; None before a step."""
+        if not self.steps:
+            return None
+        rows, seconds = self.rows / self.steps, self.seconds / self.steps
+        spread = self.rows2 / self.steps - rows * rows
+        c = 0.0
+        if spread >= MIN_SPREAD:  # a least-squares slope, kept within what the steps took
+            c = min(max((self.rows_seconds / self.steps - rows * seconds) / spread, 0.0), seconds / rows)
+        return seconds - c * rows, c
+
+    def pays(self, drafted: int, kept: int, sequences: int) -> bool:
+        """Whether a sequence that kept `kept` of its `drafted` tokens should draft again in a
+        step of `sequences`: its acceptance (drawn toward the pooled one while it has few checks)
+        times its share of a step must beat a drafted token's row and drafting time. Until the
+        costs are measured, it does."""
+        cost = self.step_cost()
+        if self.draft_seconds is None or cost is None or not self.drafted:
             return True
+        fixed, row = cost
         rate = (kept + PRIOR * self.kept / self.drafted) / (drafted + PRIOR)
-        return rate * self.token_seconds > self.draft_seconds
+        return rate * (fixed / max(1, sequences) + row) > row + self.draft_seconds
 
 
 def _average(old: float | None, new: float) -> float:

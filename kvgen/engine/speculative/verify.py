@@ -27,37 +27,48 @@ def accept(raw: torch.Tensor, draft: list[int], q: torch.Tensor | None, params: 
     target's logits after the last committed token and after each draft; q [len(draft), V] or
     None: the draft's distributions; seen: prompt + output ids when the request has a
     repetition penalty, else []; outputs: the generated ids so far."""
+    if params.greedy:
+        return _accept_greedy(raw, draft, params, seen, outputs, stops)
     seen, outputs = list(seen), list(outputs)
     out: list[Sampled] = []
     for i, x in enumerate(draft):
         row = raw[i:i + 1].float()
-        if params.greedy:
-            s = sample(row, [params], [None], [seen], outputs=[outputs], stops=[stops])[0]
-            out.append(s)
-            if s.token_id != x:
-                return out
+        p = distribution(adjust(row, [params], [seen], [outputs], [stops]), [params])[0]
+        qx = 1.0 if q is None else float(q[i, x])
+        u = torch.rand((), generator=rng).item()
+        if qx > 0 and u * qx < float(p[x]):  # u < p(x) / q(x)
+            out.append(_sampled(row, x, params))
         else:
-            p = distribution(adjust(row, [params], [seen], [outputs], [stops]), [params])[0]
-            qx = 1.0 if q is None else float(q[i, x])
-            u = torch.rand((), generator=rng).item()
-            if qx > 0 and u * qx < float(p[x]):  # u < p(x) / q(x)
-                out.append(_sampled(row, x, params))
+            rest = p.clone()
+            if q is None:
+                rest[x] = 0.0
             else:
-                rest = p.clone()
-                if q is None:
-                    rest[x] = 0.0
-                else:
-                    rest = (rest - q[i]).clamp_(min=0.0)
-                if float(rest.sum()) <= 0.0:  # p == q: any token of p is as good
-                    rest = p
-                t = int(torch.multinomial(rest / rest.sum(), 1, generator=rng))
-                out.append(_sampled(row, t, params))
-                return out
+                rest = (rest - q[i]).clamp_(min=0.0)
+            if float(rest.sum()) <= 0.0:  # p == q: any token of p is as good
+                rest = p
+            t = int(torch.multinomial(rest / rest.sum(), 1, generator=rng))
+            out.append(_sampled(row, t, params))
+            return out
         outputs.append(out[-1].token_id)
         if seen:
             seen.append(out[-1].token_id)
     out.append(sample(raw[-1:].float(), [params], [rng], [seen], outputs=[outputs], stops=[stops])[0])
     return out
+
+
+def _accept_greedy(raw: torch.Tensor, draft: list[int], params: SamplingParams, seen: list[int],
+                   outputs: list[int], stops: set[int]) -> list[Sampled]:
+    """Greedy: every row's choice in one `sample` call, row i with the outputs (and seen ids) it
+    would have if drafts 0..i-1 were kept; rows after the first disagreement are never read, so
+    this is exactly the row-by-row answer (one call instead of k + 1: ~0.4 ms a verification)."""
+    n = len(draft) + 1
+    hist = [outputs + draft[:i] for i in range(n)]
+    sampled = sample(raw.float(), [params] * n, [None] * n, [seen + draft[:i] if seen else [] for i in range(n)],
+                     outputs=hist, stops=[stops] * n)
+    for i, x in enumerate(draft):
+        if sampled[i].token_id != x:
+            return sampled[:i + 1]
+    return sampled
 
 
 def _sampled(row: torch.Tensor, token: int, params: SamplingParams) -> Sampled:

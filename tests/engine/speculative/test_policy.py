@@ -141,18 +141,40 @@ def test_when_load_falls_a_draft_model_far_behind_does_not_start(gate_open):
 
 def test_the_cost_gate_weighs_acceptance_against_the_measured_costs():
     e = DraftEconomy()
-    assert e.pays(0, 0)  # nothing measured yet: draft
-    e.record_step(0.010, 1)  # 10 ms a sequence a step
+    assert e.pays(0, 0, 1)  # nothing measured yet: draft
+    e.record_step(0.010, 1)  # 10 ms a step of one row
     e.record_draft(0.004, 1)  # 4 ms a drafted token
-    assert e.pays(0, 0)  # no acceptance pooled yet
+    assert e.pays(0, 0, 1)  # no acceptance pooled yet
     for _ in range(8):
         e.record_check(1, 0)
     e.record_check(4, 1)  # pooled ~8%: a kept draft saves ~0.8 ms, a draft costs 4
-    assert not e.pays(0, 0)
-    assert e.pays(20, 20)  # a sequence whose drafts are all kept outweighs the pool
-    assert not e.pays(1, 1)  # one kept draft does not (drawn toward the pool)
-    cheap = DraftEconomy(draft_seconds=0.0001, token_seconds=0.010, drafted=10, kept=1)
-    assert cheap.pays(10, 1)  # 10% kept, nearly free: worth it
+    assert not e.pays(0, 0, 1)
+    assert e.pays(20, 20, 1)  # a sequence whose drafts are all kept outweighs the pool
+    assert not e.pays(1, 1, 1)  # one kept draft does not (drawn toward the pool)
+    cheap = DraftEconomy(draft_seconds=0.0001, drafted=10, kept=1)
+    cheap.record_step(0.010, 1)
+    assert cheap.pays(10, 1, 1)  # 10% kept, nearly free: worth it
+
+
+def test_the_step_time_fit_prices_a_verifying_row_and_the_batch_decides():
+    """Steps of 10 ms + 2.5 ms a row: a kept draft saves its sequence's share of a step, 10/n +
+    2.5 ms, and every drafted row costs 2.5 ms. Half kept pays alone and not among 8; 90% does."""
+    e = DraftEconomy()
+    for _ in range(3):
+        for rows in range(1, 17):
+            e.record_step(0.010 + 0.0025 * rows, rows)
+    fixed, row = e.step_cost()
+    assert abs(fixed - 0.010) < 1e-9 and abs(row - 0.0025) < 1e-9
+    e.record_draft(0.0001, 1)  # a lookup: ~free
+    e.record_check(100, 50)
+    assert e.pays(50, 25, 1)  # 0.5 x 12.5 ms > 2.6 ms
+    assert not e.pays(50, 25, 8)  # 0.5 x 3.75 ms < 2.6 ms
+    assert e.pays(50, 45, 8)  # 0.9 x 3.75 ms > 2.6 ms
+    same = DraftEconomy()
+    for _ in range(20):
+        same.record_step(0.030, 8)  # rows never varied: a row's cost is not told apart
+    fixed, row = same.step_cost()
+    assert abs(fixed - 0.030) < 1e-9 and row == 0.0
 
 
 class Scripted:
