@@ -33,8 +33,11 @@ from kvgen.engine import cpu_kernels
 from kvgen.engine.cpu_kernels import _FLOATS, _I8, _I32, PARTS, TILE, _arguments, _int, _lanes
 
 # Rows from which a call takes the tiles: below that the vector kernels' 4-row passes cost less
-# than a 16-row tile pass padded with unused rows.
-AMX_FROM = 16
+# than a 16-row tile pass padded with unused rows. Measured over a SmolLM2 layer's Q4_1 matmuls,
+# both kernels alternating call by call (2-core Sapphire Rapids): the tiles took 0.66-0.95x the
+# vector kernels' time at 12-15 rows, 0.88-1.14x at 10-11, 1.1-1.3x at 8 (16 here once left
+# 15-row decode steps slower than 16-row ones).
+AMX_FROM = 12
 _ROWS = 16  # activation rows a tile holds
 # Weight tiles unpacked at a time, each then run over all the rows: their B tiles stay in L2
 # (74 KB at 576 inputs, 196 KB at 1536) while a row block's A tiles are read for 8 of them (one

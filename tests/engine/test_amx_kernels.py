@@ -34,10 +34,10 @@ def _both(qtype, n: int, k: int, rows: int, seed: int = 0) -> tuple[np.ndarray, 
 
 @needs_amx
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [16, 17, 31, 70])
+@pytest.mark.parametrize("rows", [12, 16, 17, 31, 70])
 @pytest.mark.parametrize("n, k", [(72, 160), (960, 576), (16 * 17, 1536)])
 def test_tiles_give_the_vector_kernels_bits(qtype, rows, n, k):
-    """Bit-identical outputs: whole and padded row blocks (17, 31, 70 rows), an odd number of
+    """Bit-identical outputs: whole and padded row blocks (12, 17, 31, 70 rows), an odd number of
     blocks (160 inputs), weight tiles in pairs and alone (5 and 17 tiles over 2 threads, more
     than TILES_AT_ONCE), and every output written (none left NaN)."""
     vector, tiles = _both(qtype, n, k, rows, seed=rows)
