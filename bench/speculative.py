@@ -224,7 +224,8 @@ def render(rows, rounds, peer_rows, accept, stream_accept, args, seconds: float,
     lines += [
         "",
         f"{args.streams} concurrent streams (arriving together, 16 to 112 tokens each, 64 on average, EOS ignored; "
-        f"best of {STREAM_RUNS} rounds, the modes alternating run by run, in reverse order every other round; SPECULATIVE_MAX_BATCH=8, so nobody drafts "
+        f"best of {STREAM_RUNS} rounds, the modes alternating run by run, in reverse order every other round; "
+        "SPECULATIVE_MAX_BATCH=8, so nobody drafts "
         "until the load falls to 8, and a draft model then catches up only where enough tokens are left): "
         "aggregate tok/s "
         + ", ".join(f"{w} {m} {per(m, w):.1f} ({per(m, w) / per('off', w):.2f}x {w} off)" for m, w in runs) + "; "

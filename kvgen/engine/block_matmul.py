@@ -1,6 +1,7 @@
 """y = x W^T for a weight in GGUF blocks, as the model and the fused step call it: the activations
 rounded to int16 per block of 32 (cpu_kernels' rule), then the products on AMX tiles for a call
-of 16 rows or more where the CPU has them (amx_kernels.py), else cpu_kernels' vector kernels.
+of AMX_FROM (12) rows or more where the CPU has them (amx_kernels.py), else cpu_kernels' vector
+kernels.
 Both give every row the same bits, so which one ran never shows in a row's output."""
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ AMX = cpu_kernels.AMX
 @njit(cache=True, nogil=True)
 def q4_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
     """y = x W^T for a Q4_0 / Q4_1 weight in blocks: x rounded to int16 into room (a scratch),
-    then the block kernels: AMX tiles for 16 rows or more where the CPU has them, else the vector
-    kernels (the same bits)."""
+    then the block kernels: AMX tiles for AMX_FROM rows or more where the CPU has them, else the
+    vector kernels (the same bits)."""
     xq, dx, xs = cpu_kernels._round(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_kernels.AMX_FROM:
         amx_kernels.q4_matmul(xq, dx, xs, qs, d, m, y)

@@ -105,7 +105,8 @@ _INTS, _FLOATS = ir.VectorType(_I32, LANES), ir.VectorType(ir.FloatType(), LANES
 
 def path() -> str:
     """The code path the block kernels were built for here (GetModelInfo.cpu_kernels and the log):
-    amx (tiles for steps of 16 rows or more, vpdpwssd below), avx512-vnni, avx512, avx2 or portable."""
+    amx (tiles for steps of amx_kernels.AMX_FROM rows or more, vpdpwssd below), avx512-vnni,
+    avx512, avx2 or portable."""
     if AMX:
         return "amx"
     return "avx512-vnni" if VNNI else "avx512" if WIDE else "avx2" if PMADDWD else "portable"
