@@ -17,7 +17,7 @@ two int32 products go to memory, and the epilogue adds d (dx dot) + m xs into 16
 one per activation row, kept in registers over the blocks.
 
 Linux hands a process the AMX state only when asked (cpu_kernels asks); where that fails, or
-the CPU (or NUMBA_CPU_FEATURES) has no AMX-INT8, cpu_kernels.AMX is False and the vector kernels
+the CPU (or NUMBA_CPU_FEATURES) has no AMX-INT8, cpu_features.AMX is False and the vector kernels
 run every step (block_matmul.py chooses).
 """
 

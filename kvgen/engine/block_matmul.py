@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from numba import njit
 
-from kvgen.engine import amx_kernels, cpu_kernels
+from kvgen.engine import amx_kernels, cpu_features, cpu_kernels
 
 # A plain global, so that Numba prunes the tiles' branch where it is False: a build without
 # AMX-INT8 cannot even compile their intrinsics.
-AMX = cpu_kernels.AMX
+AMX = cpu_features.AMX
 
 
 @njit(cache=True, nogil=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvgen.engine import amx_kernels, block_matmul, cpu_kernels
+from kvgen.engine import amx_kernels, block_matmul, cpu_features, cpu_kernels
 from kvgen.engine.cpu_kernels import TILE
 
 GROUP = 32
@@ -109,7 +109,7 @@ def compile_kernels() -> None:
     for dtype in (np.uint8, np.int8):
         cpu_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
         cpu_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
-    if cpu_kernels.AMX:  # the tiles' kernels too, callees first: split, _matmul, then its wrappers
+    if cpu_features.AMX:  # the tiles' kernels too, callees first: split, _matmul, then its wrappers
         amx_kernels.split(xq)
         for dtype in (np.uint8, np.int8):
             amx_kernels._matmul(True, xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)

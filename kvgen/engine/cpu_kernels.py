@@ -34,8 +34,8 @@ registers took the second to 13.0, and 512-bit vectors then both to 20 and 10.7.
 the multiply and its add are one vpdpwssd, four sums a row so that each waits less on the one
 before (172 -> 184 GMAC/s at 16 to 256 rows, same integers). That is about 25 of the 32 int16
 multiply-adds a Zen 4 core issues a cycle: more would take 8-bit activations (vpdpbusd, 64 a
-cycle), that is llama.cpp's precision, not this one's. Where the CPU has AMX-INT8, a call of 16
-rows or more (a prompt chunk) multiplies on tiles instead (amx_kernels.py): the same integers,
+cycle), that is llama.cpp's precision, not this one's. Where the CPU has AMX-INT8, a call of 12
+rows or more (a prompt chunk, a large batch) multiplies on tiles instead (amx_kernels.py): the same integers,
 split in bytes, and the same float epilogue, so the same bits, 1.5-1.9x faster on a Sapphire
 Rapids. Numba caches the compiled kernels per CPU, so a cache made on one CPU is not used on
 another.
@@ -54,16 +54,15 @@ step runs almost nothing in torch, so there the two pools do not compete.
 
 from __future__ import annotations
 
-import ctypes
-
 import numba
 import numpy as np
-from llvmlite import binding, ir
+from llvmlite import ir
 from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvgen.engine import numba_cache
+from kvgen.engine.cpu_features import AMX, FEATURES, LANES, PMADDWD, VNNI, WIDE
 
 # Output rows per tile: one or two vectors of sums (LANES rows each); a tile's codes, read once from
 # memory, serve its activation rows ROWS_AT_ONCE at a time (8 at a time were no faster).
@@ -74,26 +73,6 @@ PARTS = numba.config.NUMBA_NUM_THREADS
 numba.config.THREADING_LAYER = "omp"  # the same runtime kind as torch's (see Threads above)
 
 
-def _request_amx() -> bool:
-    """Ask Linux for the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)): a
-    process that has not gets killed by its first tile instruction."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, x86-64
-    except (OSError, AttributeError):
-        return False
-
-
-# The features Numba compiles for: the host's, or NUMBA_CPU_FEATURES where set (the tests build
-# the AVX2 and portable paths on an AVX-512 CPU that way, with "-avx512bw" and "-avx2").
-binding.initialize_native_target()
-FEATURES = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
-PMADDWD = "+avx2" in FEATURES.split(",")
-WIDE = PMADDWD and "+avx512bw" in FEATURES.split(",")
-VNNI = WIDE and "+avx512vnni" in FEATURES.split(",")  # vpdpwssd: pmaddwd and the add in one
-LANES = 16 if WIDE else 8  # weight rows per vector of sums
-# AMX-INT8 tiles for steps of many rows (amx_kernels.py), where Linux grants the process them
-AMX = VNNI and "+amx-int8" in FEATURES.split(",") and _request_amx()
-
 # Before any cached function is defined (numba_cache.py says why); the salt keeps builds for
 # different features apart.
 numba_cache.use_cache_dir(f"{FEATURES} parts={PARTS} amx={AMX}")
@@ -101,15 +80,6 @@ numba_cache.use_cache_dir(f"{FEATURES} parts={PARTS} amx={AMX}")
 _I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _BYTES, _WORDS = ir.VectorType(_I8, 2 * LANES), ir.VectorType(_I16, 2 * LANES)
 _INTS, _FLOATS = ir.VectorType(_I32, LANES), ir.VectorType(ir.FloatType(), LANES)
-
-
-def path() -> str:
-    """The code path the block kernels were built for here (GetModelInfo.cpu_kernels and the log):
-    amx (tiles for steps of amx_kernels.AMX_FROM rows or more, vpdpwssd below), avx512-vnni,
-    avx512, avx2 or portable."""
-    if AMX:
-        return "amx"
-    return "avx512-vnni" if VNNI else "avx512" if WIDE else "avx2" if PMADDWD else "portable"
 
 
 def _lanes(ty, values):

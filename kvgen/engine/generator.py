@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from kvgen.engine import cpu_kernels, loader
+from kvgen.engine import cpu_features, loader
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.calibration import calibrate_format
 from kvgen.engine.constraint import Grammars
@@ -66,10 +66,10 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
 
 def kernel_path(model: Model) -> str:
     """GetModelInfo.cpu_kernels: the code path the block kernels run on, where gguf weights run on
-    the CPU (cpu_kernels.path(), from the CPU's features); empty elsewhere."""
+    the CPU (cpu_features.path(), from the CPU's features); empty elsewhere."""
     if model.weight_dtype != "gguf" or model.device.type != "cpu":
         return ""
-    return cpu_kernels.path()
+    return cpu_features.path()
 
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.engine import amx_kernels, cpu_kernels
+from kvgen.engine import amx_kernels, cpu_features, cpu_kernels
 from kvgen.engine.blocks import BlockLinear, Blocks
 from tests.engine.test_blocks import TYPES, quantized
 
-needs_amx = pytest.mark.skipif(not cpu_kernels.AMX, reason="this CPU (or Linux) gives no AMX-INT8: the vector "
+needs_amx = pytest.mark.skipif(not cpu_features.AMX, reason="this CPU (or Linux) gives no AMX-INT8: the vector "
                                                           "kernels run every step")
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.engine import cpu_kernels
+from kvgen.engine import cpu_features
 from kvgen.engine.blocks import GROUP, BlockLinear, Blocks
 from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
@@ -93,18 +93,18 @@ def test_every_kernel_path_gives_the_same_bits(path):
     process with a cache of its own) gives bit-identical outputs, at 1 row, at 9 (two calls of 4
     rows and one of 1) and at 40 (tiles where there are)."""
     drop, flags = PATHS[path]
-    if drop not in cpu_kernels.FEATURES.split(","):
+    if drop not in cpu_features.FEATURES.split(","):
         pytest.skip(f"this CPU has no {drop[1:]}: the {path} path is what runs here")
     code = (
-        "import numpy as np, sys, torch; from kvgen.engine import cpu_kernels; "
+        "import numpy as np, sys, torch; from kvgen.engine import cpu_features; "
         "from kvgen.engine.blocks import BlockLinear, Blocks; "
         "from tests.engine.test_blocks import TYPES, quantized; "
-        f"assert (cpu_kernels.PMADDWD, cpu_kernels.WIDE, cpu_kernels.VNNI, cpu_kernels.AMX) == {flags}; "
+        f"assert (cpu_features.PMADDWD, cpu_features.WIDE, cpu_features.VNNI, cpu_features.AMX) == {flags}; "
         "x = torch.randn(40, 160, generator=torch.Generator().manual_seed(9)); "
         "out = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
         "for q in TYPES for r in (1, 9, 40)]; torch.save(out, sys.argv[1])")
     with tempfile.TemporaryDirectory() as d:
-        features = cpu_kernels.FEATURES.replace(drop, "-" + drop[1:])
+        features = cpu_features.FEATURES.replace(drop, "-" + drop[1:])
         env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=d)
         subprocess.run([sys.executable, "-c", code, f"{d}/out.pt"], env=env, check=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[2])
@@ -154,7 +154,7 @@ def test_gguf_weights_compute_the_files_fp32_model(gguf_base, bpe, tmp_path, qty
     assert blocks_model.weight_dtype == "gguf" and fp32_model.weight_dtype == "fp32"
     assert isinstance(blocks_model.layers[0].qkv, BlockLinear) and isinstance(blocks_model.lm_head, BlockLinear)
     # GetModelInfo.cpu_kernels: the blocks' code path on this CPU; none for fp32 weights
-    assert kernel_path(blocks_model) == cpu_kernels.path() != "" and kernel_path(fp32_model) == ""
+    assert kernel_path(blocks_model) == cpu_features.path() != "" and kernel_path(fp32_model) == ""
     for ids in token_sequences(cfg.vocab_size, bpe)[1:]:
         whole = all_logits(blocks_model, ids), all_logits(fp32_model, ids)
         decode = chunkings(len(ids))[1]  # prefill 10, a chunk of 7, then one-row steps (the kernels)

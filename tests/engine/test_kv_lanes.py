@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.engine import cpu_kernels, fused_kv
+from kvgen.engine import cpu_features, fused_kv
 from kvgen.engine.kv.formats import make_format
 
 L, BS, KVH, HD = 2, 16, 2, 64
@@ -75,10 +75,10 @@ def test_q4_rows_read_back_as_the_formats_read():
 def test_the_avx2_build_reads_alike():
     """The same checks in a build for this CPU with AVX-512 turned off (NUMBA_CPU_FEATURES, a
     cache of its own): 8 lanes, a q4 row's 32 nibbles in 4 steps."""
-    if "+avx512f" not in cpu_kernels.FEATURES.split(","):
+    if "+avx512f" not in cpu_features.FEATURES.split(","):
         pytest.skip("this CPU has no AVX-512: the AVX2 build is what runs here")
-    features = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in cpu_kernels.FEATURES.split(","))
-    code = ("from kvgen.engine import cpu_kernels; assert cpu_kernels.LANES == 8; "
+    features = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in cpu_features.FEATURES.split(","))
+    code = ("from kvgen.engine import cpu_features; assert cpu_features.LANES == 8; "
             "from tests.engine.test_kv_lanes import check_fp8_codes, check_q4_rows; "
             "check_fp8_codes(); check_q4_rows()")
     with tempfile.TemporaryDirectory() as d:

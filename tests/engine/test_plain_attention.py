@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgen.engine import cpu_kernels, fused_kv, key_lanes, plain_attention
+from kvgen.engine import cpu_features, fused_kv, key_lanes, plain_attention
 
 # (query heads, KV heads, head_dim, block): groups of 3, 1 and 8 (more than key_lanes.MAX_HEADS),
 # a head_dim that is not a multiple of four vectors (values' one-vector tail), blocks of 32
@@ -130,7 +130,7 @@ def test_other_builds_attend_alike(build):
     feature turned off (NUMBA_CPU_FEATURES, in a process with a cache of its own): softmax
     attention, and the same bits from the cache's rows and from the transposed copy."""
     drop, lanes = BUILDS[build]
-    if drop not in cpu_kernels.FEATURES.split(","):
+    if drop not in cpu_features.FEATURES.split(","):
         pytest.skip(f"this CPU has no {drop[1:]}: that build is what runs here")
     code = ("import numpy as np; from kvgen.engine import key_lanes; "
             "from tests.engine.test_plain_attention import SHAPES, POSITIONS, cache, attend, reference; "
@@ -139,7 +139,7 @@ def test_other_builds_attend_alike(build):
             "out = attend(shape, kv, tables, positions, q); "
             "np.testing.assert_allclose(out, reference(shape, kv, tables, positions, q), rtol=0, atol=2e-5); "
             "assert np.array_equal(attend(shape, kv, tables, positions, q, transposed=True), out)")
-    features = cpu_kernels.FEATURES.replace(drop, "-" + drop[1:])
+    features = cpu_features.FEATURES.replace(drop, "-" + drop[1:])
     if build == "avx2":  # every AVX-512 feature goes with avx512f
         features = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in features.split(","))
     with tempfile.TemporaryDirectory() as d:

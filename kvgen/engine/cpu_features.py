@@ -1,0 +1,39 @@
+"""What the CPU gives the block kernels (cpu_kernels.py, amx_kernels.py): the instruction set
+features Numba compiles for, the code path they select, and AMX tiles where Linux grants them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numba
+from llvmlite import binding
+
+
+def _request_amx() -> bool:
+    """Ask Linux for the AMX tile state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)): a
+    process that has not gets killed by its first tile instruction."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, x86-64
+    except (OSError, AttributeError):
+        return False
+
+
+# The features Numba compiles for: the host's, or NUMBA_CPU_FEATURES where set (the tests build
+# the AVX2 and portable paths on an AVX-512 CPU that way, with "-avx512bw" and "-avx2").
+binding.initialize_native_target()
+FEATURES = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
+PMADDWD = "+avx2" in FEATURES.split(",")
+WIDE = PMADDWD and "+avx512bw" in FEATURES.split(",")
+VNNI = WIDE and "+avx512vnni" in FEATURES.split(",")  # vpdpwssd: pmaddwd and the add in one
+LANES = 16 if WIDE else 8  # weight rows per vector of sums
+# AMX-INT8 tiles for steps of many rows (amx_kernels.py), where Linux grants the process them
+AMX = VNNI and "+amx-int8" in FEATURES.split(",") and _request_amx()
+
+
+def path() -> str:
+    """The code path the block kernels were built for here (GetModelInfo.cpu_kernels and the log):
+    amx (tiles for steps of amx_kernels.AMX_FROM rows or more, vpdpwssd below), avx512-vnni,
+    avx512, avx2 or portable."""
+    if AMX:
+        return "amx"
+    return "avx512-vnni" if VNNI else "avx512" if WIDE else "avx2" if PMADDWD else "portable"
