@@ -35,9 +35,9 @@ the multiply and its add are one vpdpwssd, four sums a row so that each waits le
 before (172 -> 184 GMAC/s at 16 to 256 rows, same integers). That is about 25 of the 32 int16
 multiply-adds a Zen 4 core issues a cycle: more would take 8-bit activations (vpdpbusd, 64 a
 cycle), that is llama.cpp's precision, not this one's. Where the CPU has AMX-INT8, a call of 12
-rows or more (a prompt chunk, a large batch) multiplies on tiles instead (amx_kernels.py): the same integers,
-split in bytes, and the same float epilogue, so the same bits, 1.5-1.9x faster on a Sapphire
-Rapids. Numba caches the compiled kernels per CPU, so a cache made on one CPU is not used on
+rows or more (a prompt chunk, a large batch) multiplies on tiles instead (amx_kernels.py): the
+same integers, split in bytes, and the same float epilogue, so the same bits, 1.5-1.9x faster on
+a Sapphire Rapids. Numba caches the compiled kernels per CPU, so a cache made on one CPU is not used on
 another.
 
 The kernels release the GIL (nogil): the engine thread runs them while the server's event loop

@@ -13,7 +13,7 @@ from kvgen.engine.blocks import BlockLinear, Blocks
 from tests.engine.test_blocks import TYPES, quantized
 
 needs_amx = pytest.mark.skipif(not cpu_features.AMX, reason="this CPU (or Linux) gives no AMX-INT8: the vector "
-                                                          "kernels run every step")
+                                                           "kernels run every step")
 
 
 def _both(qtype, n: int, k: int, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -46,5 +46,5 @@ class PromptLookup:
             tail = tokens[-n:]
             for j in ends:  # the most recent occurrence first: the likeliest continuation
                 if j >= n - 1 and tokens[j - n + 1:j + 1] == tail:
-                    return list(tokens[j + 1:j + 1 + k])
+                    return tokens[j + 1:j + 1 + k]
         return []
