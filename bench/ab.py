@@ -3,7 +3,7 @@ machine, in one run: prefill of a 512-token prompt and decode of 128 tokens at b
 weight dtype, the two measured in alternating rounds so drift in the machine's load hits both.
 
 Each measurement is a fresh process on one tree (a git worktree of BASE under bench/.cache/ab,
-or this checkout), so neither sees the other's OpenMP pool (kvgen/engine/threads.py). Only the
+or this checkout), so neither sees the other's OpenMP pool (kvgen/cpu/threads.py). Only the
 Python API both revisions have is used: load_model, Generator, generate's timings. Writes
 bench/results/ab.md.
 """
@@ -27,7 +27,7 @@ CACHE = ROOT / "bench" / ".cache" / "ab"
 MEASURE = r"""
 import json, sys
 import torch
-from kvgen.engine import loader
+from kvgen.engine import model_files
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.sampling import SamplingParams
 

@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import peers  # noqa: E402
+from kvgen.cpu.threads import in_fresh_thread  # noqa: E402
 from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
-from kvgen.engine.threads import in_fresh_thread  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "cpu.md"
 # gguf: the file's own Q4_1 / Q8_0 blocks, what the default WEIGHT_DTYPE=auto picks on a CPU
@@ -142,7 +142,7 @@ def main() -> None:
         rows.append(("transformers", name, in_fresh_thread(peers.transformers_prefill_decode, dtype, prompt, 128),
                      None))
     # One Generator at a time: an idle engine thread keeps its OpenMP pool, and a second pool
-    # slows the busy one (kvgen/engine/threads.py); close() ends the thread and its pool.
+    # slows the busy one (kvgen/cpu/threads.py); close() ends the thread and its pool.
     said, streams = {}, {}
     for wd in WEIGHT_DTYPES:
         # no prefix cache: prefill_decode repeats one prompt, which would then cost a lookup, not a prefill
@@ -201,10 +201,10 @@ def main() -> None:
 
 def auto_choice() -> str:
     """What WEIGHT_DTYPE=auto resolves to for the embedded GGUF on this machine's CPU."""
-    from kvgen.engine import loader
+    from kvgen.engine import model_files
     from kvgen.engine.model import resolve_weight_dtype
 
-    return resolve_weight_dtype("auto", torch.device("cpu"), loader.load(peers.model_path())[2].get("blocks"))
+    return resolve_weight_dtype("auto", torch.device("cpu"), model_files.load(peers.model_path())[2].get("blocks"))
 
 
 def fast_dtype() -> str:

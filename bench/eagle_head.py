@@ -34,12 +34,12 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from kvgen.engine.calibration import prefill  # noqa: E402
+from kvgen.cpu.threads import in_fresh_thread  # noqa: E402
 from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
-from kvgen.engine.loader import embedded_model_path  # noqa: E402
+from kvgen.engine.kv_samples import prefill  # noqa: E402
 from kvgen.engine.model import Model, apply_rope, interleave  # noqa: E402
+from kvgen.engine.model_files import embedded_model_path  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
-from kvgen.engine.threads import in_fresh_thread  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / ".cache" / "eagle" / "smollm2-135m-eagle.safetensors"
 P = "layers.0."
@@ -121,7 +121,7 @@ def collect(gen: Generator, model: Model, prompt_list: list, max_new_tokens: int
         seqs = [gen.tokenize(p) + r.token_ids for p, r in zip(chunk, gen.batch_generate(chunk, params), strict=True)
                 if not isinstance(r, Exception)]
         # A thread that exits: its OpenMP pool goes with it, so the engine thread's stays the only
-        # one (kvgen/engine/threads.py: two pools make every parallel op ~2.5x slower on 2 cores).
+        # one (kvgen/cpu/threads.py: two pools make every parallel op ~2.5x slower on 2 cores).
         data += in_fresh_thread(_with_features, model, seqs)
         took = time.monotonic() - start
         log(f"data: {len(data)} sequences, {sum(len(s) for s, _ in data)} tokens, {time.monotonic() - t0:.0f} s")

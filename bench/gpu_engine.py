@@ -35,12 +35,12 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kv_text import EVAL_TEXT  # noqa: E402
-from kvgen.engine.calibration import calibrate_format  # noqa: E402
 from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
 from kvgen.engine.kv.formats import make_format  # noqa: E402
 from kvgen.engine.kv.paged import PagedKVCache  # noqa: E402
 from kvgen.engine.kv.pool import BlockPool  # noqa: E402
-from kvgen.engine.loader import embedded_model_path  # noqa: E402
+from kvgen.engine.kv_samples import calibrate_format  # noqa: E402
+from kvgen.engine.model_files import embedded_model_path  # noqa: E402
 from kvgen.engine.model_runner import ModelRunner  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
 

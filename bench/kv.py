@@ -9,7 +9,7 @@ Method
   greedily (64 new tokens, EOS ignored) in one batch; per prompt, the length of the prefix
   that agrees with fp32, averaged.
 - Formats are built as the Generator builds them: fp8 key scales and q3 codebooks fitted
-  first (kvgen.engine.calibration), and fp8 / q4 / q3 keep each sequence's newest block
+  first (kvgen.engine.kv_samples), and fp8 / q4 / q3 keep each sequence's newest block
   and first token exact (KIVI's residual, the attention sink; kv/stage.py); "nothing kept exact" rows
   turn that off to measure what it buys.
   Chunks of half a block make every query see its own block exact and the blocks before it
@@ -46,8 +46,8 @@ import torch.nn.functional as F  # noqa: E402
 from bench import peers  # noqa: E402
 from bench.kv_text import EVAL_TEXT, PROMPTS  # noqa: E402
 from kvgen.engine.attention import Step  # noqa: E402
-from kvgen.engine.calibration import calibrate_format  # noqa: E402
 from kvgen.engine.kv.formats import KV_DTYPES, KVFormat, make_format  # noqa: E402
+from kvgen.engine.kv_samples import calibrate_format  # noqa: E402
 
 BLOCK = 16
 CHUNK = 8  # half a block: each query sees its own block as decode does (kv/stage.py)
@@ -296,7 +296,7 @@ def decode_speed(rounds: int = 3, context: int = SPEED_CONTEXT, new_tokens: int 
     `rounds` rounds that each run every setting once. One Generator at a time (an idle engine's
     thread pool would slow the busy one); the model is loaded once and shared."""
     from kvgen.engine.generator import EngineOptions, Generator, load_model
-    from kvgen.engine.loader import embedded_model_path
+    from kvgen.engine.model_files import embedded_model_path
     from kvgen.engine.sampling import SamplingParams
 
     model, tok = load_model(embedded_model_path(), "auto")
@@ -374,7 +374,7 @@ def main() -> None:
         print(section)
         return
     from kvgen.engine.generator import load_model
-    from kvgen.engine.loader import embedded_model_path
+    from kvgen.engine.model_files import embedded_model_path
 
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     t0 = time.perf_counter()

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from bench import peers  # noqa: E402
 from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
-from kvgen.engine.loader import embedded_model_path  # noqa: E402
+from kvgen.engine.model_files import embedded_model_path  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "speculative.md"
@@ -119,10 +119,10 @@ def main() -> int:
     rounds = {}  # (mode, weights, set) -> each round's mean rate over the set; (..., "streams"[-cpu]): each run's
     # The drafters of one weight setting alternate round by round (a neighbour's burst of load on
     # 2 shared cores then costs both alike), one engine at a time: two live engine threads would
-    # each hold a worker pool, and two pools on 2 cores slow every step (kvgen/engine/threads.py).
+    # each hold a worker pool, and two pools on 2 cores slow every step (kvgen/cpu/threads.py).
     # (Engines that built their drafter on this thread once left it a worker pool, and every later
     # engine in the process decoded at half speed or less: the drafter is built in a thread of its
-    # own now, tests/engine/test_threads.py.)
+    # own now, tests/cpu/test_threads.py.)
     def engine(weights: str, mode: str) -> Generator:
         return Generator(*models[weights], dataclasses.replace(opts, speculative=mode, eagle_head=str(args.eagle)),
                          draft_model=draft if mode == "draft" else None)

@@ -30,8 +30,8 @@ from opentelemetry.sdk.trace.sampling import TraceIdRatioBased  # noqa: E402
 
 from kvgen.engine.generator import EngineOptions, Generator  # noqa: E402
 from kvgen.engine.kv.manager import KVManager  # noqa: E402
+from kvgen.engine.kv.record import KVInfo, KVRecorder  # noqa: E402
 from kvgen.engine.kv.tiers import TieredKV  # noqa: E402
-from kvgen.engine.kv_record import KVInfo, KVRecorder  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
 from kvgen.service.tracing import Tracing  # noqa: E402
 

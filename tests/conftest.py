@@ -11,9 +11,9 @@ import grpc
 import pytest
 
 from kvgen.engine.generator import EngineOptions, Generator, load_model
-from kvgen.engine.loader import embedded_model_path
-from kvgen.service.config import Settings
+from kvgen.engine.model_files import embedded_model_path
 from kvgen.service.server import Server
+from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
 

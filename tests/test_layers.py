@@ -2,8 +2,9 @@
 the import graph has no cycle. Layers, bottom up:
 
     errors                          leaf: imports nothing of kvgen's
-    gpu                             kernels and their references; knows nothing of the engine
-    engine.kv                       blocks, formats, tiers, the KV manager; no engine module
+    cpu, gpu                        the backends: kernels and their references; neither knows the
+                                    engine, nor the other backend
+    engine/kv                       blocks, formats, tiers, the KV manager; no engine module
     engine (model, scheduler, ...)  the engine proper; never the API modules
     engine API                      generator, session, request, bridge (what callers use)
     service                         the gRPC server; the only layer that imports kvgen.v1
@@ -19,20 +20,18 @@ ROOT = Path(__file__).resolve().parents[1]
 API = {"kvgen.engine.generator", "kvgen.engine.session", "kvgen.engine.request", "kvgen.engine.bridge"}
 
 
+# Each folder (package) of kvgen and its layer; a module is in the layer of the deepest folder
+# that holds it. The engine's API modules sit one above the rest of the engine's folder.
+FOLDERS = {("errors",): 0, ("cpu",): 1, ("gpu",): 1, ("engine", "kv"): 2, ("engine",): 3, ("service",): 5, ("v1",): 5}
+ENGINE_API = 4
+
+
 def layer(mod: str) -> int:
-    if mod == "kvgen.errors":
-        return 0
-    if mod.startswith("kvgen.gpu"):
-        return 1
-    if mod == "kvgen.engine.kv" or mod.startswith("kvgen.engine.kv."):  # (not kvgen.engine.kv_lanes)
-        return 2
     if mod in API:
-        return 4
-    if mod.startswith("kvgen.engine"):
-        return 3
-    if mod.startswith(("kvgen.service", "kvgen.v1")):
-        return 5
-    return 6  # kvgen.client, kvgen.cli, kvgen itself
+        return ENGINE_API
+    parts = tuple(mod.split(".")[1:])
+    held = [folder for folder in FOLDERS if parts[:len(folder)] == folder]
+    return FOLDERS[max(held, key=len)] if held else 6  # kvgen.client, kvgen.cli, kvgen itself
 
 
 def modules() -> dict[str, Path]:
@@ -72,6 +71,14 @@ def graph() -> dict[str, set[str]]:
 def test_no_module_imports_a_layer_above_its_own():
     upward = sorted(f"{m} -> {d}" for m, deps in graph().items() for d in deps if layer(d) > layer(m))
     assert not upward, "\n".join(upward)
+
+
+def test_backends_know_nothing_of_the_engine_or_each_other():
+    """kvgen/cpu and kvgen/gpu import only their own package (and kvgen.errors)."""
+    for backend in ("kvgen.cpu", "kvgen.gpu"):
+        outside = sorted(f"{m} -> {d}" for m, deps in graph().items() if m.startswith(backend + ".") or m == backend
+                         for d in deps if not (d == backend or d.startswith(backend + ".") or d == "kvgen.errors"))
+        assert not outside, "\n".join(outside)
 
 
 def test_client_code_reaches_the_server_through_grpc_only():

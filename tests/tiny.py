@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvgen.engine.config import ModelConfig
+from kvgen.engine.model_config import ModelConfig
 
 
 def tiny_config(arch: str = "llama", vocab: int = 49152, layers: int = 2, hidden: int = 64, heads: int = 4,
@@ -43,7 +43,7 @@ def tiny_weights(cfg: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     return w
 
 
-# --- on-disk tiny models: a byte-level BPE, an HF folder, a GGUF (used by test_loader.py) ---
+# --- on-disk tiny models: a byte-level BPE, an HF folder, a GGUF (used by test_model_files.py) ---
 
 TINY_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TINY_CORPUS = [

@@ -19,9 +19,10 @@ from dataclasses import replace
 
 import torch
 
-from kvgen.engine import cpu_features, loader
+from kvgen.cpu import features
+from kvgen.cpu.threads import in_fresh_thread
+from kvgen.engine import model_files
 from kvgen.engine.bridge import Bridge
-from kvgen.engine.calibration import calibrate_format
 from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
 from kvgen.engine.kv.formats import make_format
@@ -29,6 +30,7 @@ from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import TieredKV
+from kvgen.engine.kv_samples import calibrate_format
 from kvgen.engine.model import Model
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.request import Prompt, Request
@@ -37,7 +39,6 @@ from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import Event, Sequence
 from kvgen.engine.session import Session
 from kvgen.engine.speculative import MODES, DraftModel, Eagle, PromptLookup, load_head
-from kvgen.engine.threads import in_fresh_thread
 from kvgen.engine.tokenizer import TextTokenizer
 from kvgen.errors import InvalidRequest, Overloaded
 
@@ -53,7 +54,7 @@ def load_model(path: str, weight_dtype: str = "auto", device: str = "cpu") -> tu
 
 
 def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextTokenizer]:
-    cfg, weights, src = loader.load(path)
+    cfg, weights, src = model_files.load(path)
     tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
                  else TextTokenizer.from_folder(src["folder"]))
     model = Model(cfg, weights, weight_dtype, device, blocks=src.get("blocks"))
@@ -66,10 +67,10 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
 
 def kernel_path(model: Model) -> str:
     """GetModelInfo.cpu_kernels: the code path the block kernels run on, where gguf weights run on
-    the CPU (cpu_features.path(), from the CPU's features); empty elsewhere."""
+    the CPU (features.path(), from the CPU's features); empty elsewhere."""
     if model.weight_dtype != "gguf" or model.device.type != "cpu":
         return ""
-    return cpu_features.path()
+    return features.path()
 
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:
@@ -103,7 +104,7 @@ def _make_drafter(model: Model, opts: EngineOptions, model_path: str, draft: Mod
     if opts.speculative != "draft":
         return PromptLookup()
     if draft is None:
-        draft = _load_model(opts.draft_model or model_path or loader.embedded_model_path(),
+        draft = _load_model(opts.draft_model or model_path or model_files.embedded_model_path(),
                             opts.draft_weight_dtype, str(model.device))[0]
         if not opts.draft_model and draft.weight_dtype == model.weight_dtype:
             log.warning("SPECULATIVE=draft: the draft is the served model at its own weights (%s), so a drafted "
@@ -159,7 +160,7 @@ class Generator:
         """Load a GGUF file or HF folder (None: the embedded model) and start the engine."""
         opts = options or EngineOptions()
         torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
-        path = model_path or loader.embedded_model_path()
+        path = model_path or model_files.embedded_model_path()
         model, tokenizer = load_model(path, opts.weight_dtype, opts.device)
         return cls(model, tokenizer, opts, path)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks, compile_kernels
 from kvgen.engine.attention import TORCH_ATTENTION, KernelAttention, KernelStep, Step, TorchAttention
-from kvgen.engine.blocks import BlockLinear, Blocks, compile_kernels
-from kvgen.engine.config import ModelConfig
+from kvgen.engine.model_config import ModelConfig
 
 WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "gguf")
 CUDA_WEIGHT_DTYPES = ("auto", "fp32", "bf16")  # int8 / int4 / gguf run CPU-only kernels
@@ -154,7 +154,7 @@ def make_linear(w: dict, names: list[str], dtype: str, blocks: dict | None, bias
     weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: the tensor itself (tied
     # embeddings stay one tensor for Model.to)
     if dtype == "gguf" and blocks and all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1:
-        return BlockLinear(Blocks.cat([blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]), bias)
+        return BlockLinear(WeightBlocks.cat([blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]), bias)
     return Linear(weight, bias, "fp32" if dtype == "gguf" else dtype)
 
 
@@ -205,7 +205,7 @@ def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: dict |
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype: str = "fp32",
                  device: str | torch.device = "cpu", blocks: dict | None = None):
-        """blocks: a GGUF's quantized tensors (loader.load's source["blocks"]), for weight dtype
+        """blocks: a GGUF's quantized tensors (model_files.load's source["blocks"]), for weight dtype
         gguf (or auto on the CPU)."""
         device = torch.device(device)
         weight_dtype = resolve_weight_dtype(weight_dtype, device, blocks)

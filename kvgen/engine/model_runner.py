@@ -40,10 +40,10 @@ import numpy as np
 import torch
 
 from kvgen import gpu
+from kvgen.cpu.threads import in_fresh_thread
 from kvgen.engine.attention import KernelAttention, KernelStep, Step
 from kvgen.engine.fused_decode import FusedDecode
 from kvgen.engine.model import Model
-from kvgen.engine.threads import in_fresh_thread
 from kvgen.gpu import ops as gpu_ops  # imports without CuPy; called only on a kernel step
 from kvgen.gpu.graphs import GraphRunner, buckets_for
 

@@ -1,5 +1,5 @@
 """What the engine is told at start-up. Each field is a setting: the server fills it from the
-environment variable of the same name upper-cased (kvgen/service/config.py lists them all)."""
+environment variable of the same name upper-cased (kvgen/service/settings.py lists them all)."""
 
 from __future__ import annotations
 

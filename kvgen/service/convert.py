@@ -9,8 +9,8 @@ from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.sequence import Event
 from kvgen.engine.tokenizer import TextTokenizer
 from kvgen.errors import InvalidRequest
-from kvgen.service.config import Settings
 from kvgen.service.errors import clip
+from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2 as pb
 
 INPUTS = ("prompt", "messages", "prompt_token_ids")

@@ -15,8 +15,8 @@ from grpc_status import rpc_status
 
 from kvgen.errors import InvalidRequest
 from kvgen.service import control, convert, routing
-from kvgen.service.config import Settings
 from kvgen.service.errors import clip, to_status
+from kvgen.service.settings import Settings
 
 _PREFIX = "/kvgen.v1.Generator/"
 # The checks of each kvgen.v1 method's request that need no model; the servicer repeats what it

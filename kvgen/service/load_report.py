@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import grpc
 
-from kvgen.service.load import Load
+from kvgen.service.server_load import Load
 
 REPLICA_TRAILER = "x-kvgen-replica"
 ORCA_TRAILER = "endpoint-load-metrics"

@@ -100,7 +100,7 @@ class Metrics:
         self._model = {h: h.labels(gen.cfg.name) for h in (self.ttft, self.tpot, self.duration)}
 
     def bind_load(self, load) -> None:
-        """The rates GetLoad reports (service/load.py), from the same window, read at scrape time."""
+        """The rates GetLoad reports (service/server_load.py), from the same window, read at scrape time."""
         Gauge("kvgen_generation_tokens_per_second", "Tokens generated per second over the last seconds",
               registry=self.registry).set_function(load.tokens_per_second)
         Gauge("kvgen_requests_finished_per_second", "Requests finished per second over the last seconds",

@@ -16,14 +16,14 @@ from opentelemetry import trace
 from kvgen.engine.generator import Generator
 from kvgen.service import transport
 from kvgen.service.auth import AuthInterceptor
-from kvgen.service.config import Settings
 from kvgen.service.gate import GateInterceptor
 from kvgen.service.http.app import HttpApi
 from kvgen.service.liveness import LIVENESS, Watchdog
-from kvgen.service.load import Load
 from kvgen.service.load_report import LoadReportInterceptor
 from kvgen.service.metrics import Metrics
+from kvgen.service.server_load import Load
 from kvgen.service.servicer import GeneratorServicer
+from kvgen.service.settings import Settings
 from kvgen.service.tracing import Tracing
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc

@@ -42,7 +42,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from kvgen.engine.kv_record import KVInfo, KVRecord, KVRecorder
+from kvgen.engine.kv.record import KVInfo, KVRecord, KVRecorder
 from kvgen.engine.sequence import FinishReason, Sequence
 from kvgen.service.errors import to_status
 from kvgen.service.metrics import FINISH_REASONS

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from kvgen.service.config import Settings
+from kvgen.service.settings import Settings
 
 
 def server_options(s: Settings) -> list[tuple[str, int]]:

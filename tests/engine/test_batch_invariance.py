@@ -22,8 +22,8 @@ import gguf
 import pytest
 
 from kvgen.engine.generator import EngineOptions, Generator, load_model
-from kvgen.engine.loader import embedded_model_path
 from kvgen.engine.model import Model
+from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.request import Request
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.tokenizer import TextTokenizer

@@ -31,8 +31,8 @@ from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
-from kvgen.engine.loader import embedded_model_path
 from kvgen.engine.model import Model
+from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import SamplingParams
 from tests.engine.speculative.test_lossless import eagle_head

@@ -15,11 +15,11 @@ from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import SamplingParams
-from tests.engine.test_loader import bpe, gguf_base  # noqa: F401  (fixtures)
+from tests.engine.test_model_files import bpe, gguf_base  # noqa: F401  (fixtures)
 from tests.engine.test_oracle import RAW, hf_greedy
 from tests.tiny import write_gguf
 
-# more rows than a kernel call takes at once (cpu_kernels.ROWS_AT_ONCE), and not a multiple of it
+# more rows than a kernel call takes at once (vector_matmul.ROWS_AT_ONCE), and not a multiple of it
 MANY = 33
 
 
@@ -142,7 +142,7 @@ def test_the_runner_fuses_only_what_it_supports(q4_model):
     assert runner().fused is not None
     assert runner(fused=False).fused is None
     assert runner(window=32).fused is None  # windows and chunks take the forward
-    assert runner("q3").fused is None and runner("bf16").fused is None  # fp8 / q4: test_fused_kv.py
+    assert runner("q3").fused is None and runner("bf16").fused is None  # fp8 / q4: test_kv_io.py
 
 
 def test_default_weights_decode_like_transformers(hf_model):

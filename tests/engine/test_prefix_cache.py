@@ -8,7 +8,7 @@ import urllib.request
 
 from kvgen.client import request
 from kvgen.engine.generator import EngineOptions, Generator, load_model
-from kvgen.engine.loader import embedded_model_path
+from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.sampling import SamplingParams
 from kvgen.v1 import generate_pb2 as pb
 

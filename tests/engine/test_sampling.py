@@ -69,7 +69,7 @@ def test_logprobs_are_of_the_model_distribution():
 
 
 def test_settings_from_env_parse_types():
-    from kvgen.service.config import Settings
+    from kvgen.service.settings import Settings
 
     s = Settings.from_env({"PORT": "6000", "CUDA_GRAPHS": "0", "KV_DTYPE": "fp8", "KV_CACHE_MB": "64.5"})
     assert (s.port, s.engine.cuda_graphs, s.engine.kv_dtype, s.engine.kv_cache_mb) == (6000, False, "fp8", 64.5)

@@ -10,8 +10,8 @@ import torch
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv.record import KVInfo, KVRecorder
 from kvgen.engine.kv.tiers import Tier, TieredKV
-from kvgen.engine.kv_record import KVInfo, KVRecorder
 from kvgen.engine.scheduler import Scheduler
 
 BS = 4  # tokens per block

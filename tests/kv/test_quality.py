@@ -61,8 +61,8 @@ def test_generator_fits_q3_codebooks_at_start_up(make_gen):
 def test_key_equalisation_leaves_attention_unchanged(embedded):
     """qk_scale multiplies queries and divides keys by the same per-channel scale: over an exact
     cache the logits are those of the unscaled model (up to float rounding)."""
-    from kvgen.engine.calibration import calibrate_format
     from kvgen.engine.kv.formats import make_format
+    from kvgen.engine.kv_samples import calibrate_format
 
     model, tok = embedded
     cfg = model.cfg

@@ -11,8 +11,8 @@ import pytest
 from kvgen.client import request
 from kvgen.errors import InvalidRequest, NotFound
 from kvgen.service import convert
-from kvgen.service.config import Settings
 from kvgen.service.errors import clip, to_status
+from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvgen import client
 from kvgen.client import Client
-from kvgen.engine import cpu_features
+from kvgen.cpu import features
 from kvgen.v1 import generate_pb2 as pb
 from tests.conftest import free_port
 
@@ -60,7 +60,7 @@ def test_make_serve_streams_tokens():
         info = client.model_info()
         assert info.weight_dtype == "gguf"
         # and the kernels' code path, chosen from this CPU's features (this process's own choice)
-        assert info.cpu_kernels == cpu_features.path()
+        assert info.cpu_kernels == features.path()
         client.close()
     finally:
         stop_group(proc)

@@ -1,4 +1,4 @@
-"""One table of settings (kvgen.service.config.SETTINGS): every field of Settings and
+"""One table of settings (kvgen.service.settings.SETTINGS): every field of Settings and
 EngineOptions is in it with a doc line, the README's table lists exactly these with the same
 defaults, and only Settings.from_env reads the environment."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvgen.engine.options import EngineOptions
-from kvgen.service.config import SETTINGS, Settings
+from kvgen.service.settings import SETTINGS, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^\| `([A-Z0-9_]+)` \| (.*?) \| (.*) \|$")
@@ -70,7 +70,7 @@ def test_from_env_parses_each_kind():
 
 # Modules that may read the environment, and why: the one reader of settings, the OpenTelemetry
 # SDK's own OTEL_* variables, and the CLI (a client program: its own KVGEN_TARGET / API_KEY defaults).
-ENV_READERS = {"kvgen/service/config.py", "kvgen/service/tracing.py", "kvgen/cli.py"}
+ENV_READERS = {"kvgen/service/settings.py", "kvgen/service/tracing.py", "kvgen/cli.py"}
 
 
 def reads_environment(path: Path) -> bool:

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvgen import cli
 from kvgen.client import Client, open_channel
-from kvgen.service.config import Settings
 from kvgen.service.server import Server
+from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 

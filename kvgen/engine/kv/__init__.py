@@ -10,6 +10,6 @@ pool.py       BlockPool: the blocks of one store, allocated and freed
 paged.py      PagedKVCache: one sequence's block table and length
 tiers.py      TieredKV: idle sequences' blocks moved out to host memory (warm) and disk (cold)
 
-Nothing here imports the engine: the model feeds it K/V, engine/calibration.py runs the model
+Nothing here imports the engine: the model feeds it K/V, engine/kv_samples.py runs the model
 for calibration samples.
 """

@@ -4,7 +4,7 @@ channel scales for fp8 (formats.KVFormat), and the q3 codebooks.
 Q3Format starts from a generic normal-quantile codebook; the distribution of normalised K/V
 values differs per layer and between keys (post-RoPE, a few large channels) and values, so
 each (layer, k|v) gets a codebook fitted on what the model actually produces. The samples come
-from the model (engine/calibration.py runs it); this module only fits, so kv needs no model.
+from the model (engine/kv_samples.py runs it); this module only fits, so kv needs no model.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from kvgen.cpu.weight_blocks import GROUP, BlockLinear, WeightBlocks
 from kvgen.engine.attention import TORCH_ATTENTION, Step
-from kvgen.engine.blocks import GROUP, BlockLinear, Blocks
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
@@ -68,14 +68,14 @@ class EagleHead:
         # third of the target's own decode step; drafts need not be exact, only cheap.
         blocks = None
         if target.weight_dtype == "gguf":
-            blocks = {k: Blocks.q8_from_float(v) for k, v in w.items() if v.ndim == 2 and v.shape[1] % GROUP == 0}
+            blocks = {k: WeightBlocks.q8_from_float(v) for k, v in w.items() if v.ndim == 2 and v.shape[1] % GROUP == 0}
         try:
             self.layer = Layer(cfg, w, 0, "gguf" if blocks else "fp32", target.act_dtype, blocks)
         except KeyError as e:
             raise ValueError(f"EAGLE head: missing tensor {str(e)[len('model.') + 1:-1]}") from None
         bias = weights.get("fc.bias")
         bias = None if bias is None else bias.float()
-        self.fc = BlockLinear(Blocks.q8_from_float(fc), bias) if blocks else Linear(fc.float(), bias, "fp32")
+        self.fc = BlockLinear(WeightBlocks.q8_from_float(fc), bias) if blocks else Linear(fc.float(), bias, "fp32")
         self.target, self.cfg = target, cfg
         if target.device.type != "cpu":
             move = lambda t: t.to(target.device)  # noqa: E731

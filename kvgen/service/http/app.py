@@ -21,12 +21,12 @@ from prometheus_client import Histogram
 from kvgen.engine.generator import Generator
 from kvgen.service import tracing as tracing_mod
 from kvgen.service.auth import DENIED, AuthInterceptor
-from kvgen.service.config import Settings
 from kvgen.service.http import errors
 from kvgen.service.http.errors import HttpError
 from kvgen.service.http.routes import OpenAIRoutes
-from kvgen.service.http.tokenizer import TokenizerRoutes
+from kvgen.service.http.tokenize_routes import TokenizerRoutes
 from kvgen.service.metrics import DURATION_BUCKETS, Metrics
+from kvgen.service.settings import Settings
 from kvgen.service.tracing import Tracing
 
 log = logging.getLogger("kvgen.http")

@@ -19,8 +19,8 @@ from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.sequence import Event
 from kvgen.engine.session import Session
 from kvgen.service import convert
-from kvgen.service.config import Settings
 from kvgen.service.http.params import Call
+from kvgen.service.settings import Settings
 
 QUEUE_PER_CHOICE = 16  # events in flight per choice before its pump waits (then its Request buffers)
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from kvgen.engine.constraint import KINDS
 from kvgen.errors import InvalidRequest
 from kvgen.service import convert
-from kvgen.service.config import Settings
 from kvgen.service.http.errors import param_of
+from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2 as pb
 
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat takes the engine's (256)

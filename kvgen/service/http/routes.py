@@ -19,12 +19,12 @@ from kvgen.engine.generator import Generator
 from kvgen.engine.sequence import Event, Usage
 from kvgen.errors import InvalidRequest, Unavailable
 from kvgen.service import tracing
-from kvgen.service.config import Settings
 from kvgen.service.http import errors, fanout
 from kvgen.service.http.errors import HttpError
 from kvgen.service.http.params import Call, read_chat, read_completion
 from kvgen.service.http.render import Renderer
 from kvgen.service.http.sessions import SessionRoutes
+from kvgen.service.settings import Settings
 
 # Also names the served model, whatever it is: a client need not know the model's own name.
 MODEL_ALIAS = "kvgen"

@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import save_file
 
 from kvgen.engine.generator import EngineOptions, Generator, load_model
-from kvgen.engine.loader import embedded_model_path
+from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.sampling import SamplingParams
 from tests.engine.speculative.test_lossless import _generate, _prompts, eagle_head
 from tests.engine.test_batch_invariance import small_model

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 from kvgen.engine.generator import EngineOptions, Generator, load_model
-from kvgen.engine.loader import embedded_model_path
 from kvgen.engine.model import Model
+from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.sampling import SamplingParams
 from tests.engine.test_batch_invariance import small_model
 from tests.engine.test_oracle import CHATS, RAW, hf_greedy

@@ -1,4 +1,4 @@
-"""What the CPU gives the block kernels (cpu_kernels.py, amx_kernels.py): the instruction set
+"""What the CPU gives the block kernels (vector_matmul.py, amx_matmul.py): the instruction set
 features Numba compiles for, the code path they select, and AMX tiles where Linux grants them."""
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ PMADDWD = "+avx2" in FEATURES.split(",")
 WIDE = PMADDWD and "+avx512bw" in FEATURES.split(",")
 VNNI = WIDE and "+avx512vnni" in FEATURES.split(",")  # vpdpwssd: pmaddwd and the add in one
 LANES = 16 if WIDE else 8  # weight rows per vector of sums
-# AMX-INT8 tiles for steps of many rows (amx_kernels.py), where Linux grants the process them
+# AMX-INT8 tiles for steps of many rows (amx_matmul.py), where Linux grants the process them
 AMX = VNNI and "+amx-int8" in FEATURES.split(",") and _request_amx()
 
 
 def path() -> str:
     """The code path the block kernels were built for here (GetModelInfo.cpu_kernels and the log):
-    amx (tiles for steps of amx_kernels.AMX_FROM rows or more, vpdpwssd below), avx512-vnni,
+    amx (tiles for steps of amx_matmul.AMX_FROM rows or more, vpdpwssd below), avx512-vnni,
     avx512, avx2 or portable."""
     if AMX:
         return "amx"

@@ -15,7 +15,7 @@ import gguf
 import pytest
 import torch
 
-from kvgen.engine import loader
+from kvgen.engine import model_files
 from kvgen.engine.attention import Step
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.kv.formats import make_format
@@ -238,7 +238,7 @@ def test_hf_llama3_rope_scaling_matches_transformers(bpe, tmp_path, style):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
     assert (all_logits(model, ids) - ref).abs().max().item() < 1e-4
-    unscaled = loader.load(str(tmp_path))
+    unscaled = model_files.load(str(tmp_path))
     unscaled[0].rope_scaling = None  # the scaling matters at these positions
     assert (all_logits(Model(unscaled[0], unscaled[1]), ids) - ref).abs().max().item() > 1e-2
 
@@ -268,7 +268,7 @@ def test_gguf_f32_equals_hf_folder(gguf_base, bpe):
     d, cfg, weights, hf_model, _ = gguf_base
     path = d / "f32.gguf"
     write_gguf(path, cfg, weights, bpe)
-    got_cfg, got_w, src = loader.load(str(path))
+    got_cfg, got_w, src = model_files.load(str(path))
     assert "gguf" in src
     for f in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
               "num_kv_heads", "head_dim", "context_length", "rope_theta", "tie_word_embeddings", "qkv_bias",
@@ -291,7 +291,7 @@ def test_gguf_qwen2_with_bias_unpermuted(bpe, tmp_path):
     cfg = gguf_config("qwen2", bpe.get_vocab_size())
     weights = tiny_weights(cfg, seed=12)
     write_gguf(tmp_path / "q.gguf", cfg, weights, bpe)
-    got_cfg, got_w, _ = loader.load(str(tmp_path / "q.gguf"))
+    got_cfg, got_w, _ = model_files.load(str(tmp_path / "q.gguf"))
     assert got_cfg.architecture == "qwen2" and got_cfg.qkv_bias
     for name, w in weights.items():
         assert torch.equal(got_w[name], w), name
@@ -322,7 +322,7 @@ def test_unsupported_architecture_in_config_json(gguf_base, tmp_path):
     hf.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (folder / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        loader.load(str(folder))
+        model_files.load(str(folder))
 
 
 def test_unsupported_architecture_in_gguf(gguf_base, bpe, tmp_path):
@@ -330,23 +330,23 @@ def test_unsupported_architecture_in_gguf(gguf_base, bpe, tmp_path):
     path = tmp_path / "falcon.gguf"
     write_gguf(path, cfg, weights, bpe, arch="falcon")
     with pytest.raises(ValueError, match="falcon"):
-        loader.load(str(path))
+        model_files.load(str(path))
 
 
 def test_missing_model_path(tmp_path):
     missing = tmp_path / "no-such-model"
     with pytest.raises(FileNotFoundError, match="no-such-model"):
-        loader.load(str(missing))
+        model_files.load(str(missing))
 
 
 def test_folder_without_safetensors(gguf_base, tmp_path):
     d = gguf_base[0]
     (tmp_path / "config.json").write_text((d / "hf" / "config.json").read_text())
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        loader.load(str(tmp_path))
+        model_files.load(str(tmp_path))
 
 
 def test_folder_without_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="config.json"):
-        loader.load(str(tmp_path))
+        model_files.load(str(tmp_path))

@@ -14,7 +14,7 @@ the weight row's and the activation block's scales, added over the blocks in ord
 a row's output does not depend on the other rows or on how many there are, and the integer sums
 are exact whichever instructions compute them.
 
-Layout (blocks.py makes it): the output rows are cut in tiles of TILE rows; for one tile and
+Layout (weight_blocks.py makes it): the output rows are cut in tiles of TILE rows; for one tile and
 block, the bytes are ordered [pair p, row c, e], so one load of 2 LANES bytes holds LANES rows'
 weights for two neighbouring inputs (the pair pmaddwd sums), and the activation pair is one int32
 broadcast:
@@ -35,7 +35,7 @@ the multiply and its add are one vpdpwssd, four sums a row so that each waits le
 before (172 -> 184 GMAC/s at 16 to 256 rows, same integers). That is about 25 of the 32 int16
 multiply-adds a Zen 4 core issues a cycle: more would take 8-bit activations (vpdpbusd, 64 a
 cycle), that is llama.cpp's precision, not this one's. Where the CPU has AMX-INT8, a call of 12
-rows or more (a prompt chunk, a large batch) multiplies on tiles instead (amx_kernels.py): the
+rows or more (a prompt chunk, a large batch) multiplies on tiles instead (amx_matmul.py): the
 same integers, split in bytes, and the same float epilogue, so the same bits, 1.5-1.9x faster on
 a Sapphire Rapids. Numba caches the compiled kernels per CPU, so a cache made on one CPU is not used on
 another.
@@ -44,7 +44,7 @@ The kernels release the GIL (nogil): the engine thread runs them while the serve
 goes on serving other calls, as it does during torch's ops.
 
 Numba's disk cache for these kernels lives in a folder named by a hash of the engine's sources
-and of the code path (numba_cache.py says why).
+and of the code path (kernel_cache.py says why).
 
 Threads: the kernels run on Numba's OpenMP layer. It links the system's libgomp by a file name
 torch's bundled copy does not answer to, so the engine thread holds two worker pools, torch's and
@@ -61,8 +61,22 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.engine import numba_cache
-from kvgen.engine.cpu_features import AMX, FEATURES, LANES, PMADDWD, VNNI, WIDE
+from kvgen.cpu.features import LANES, PMADDWD, VNNI, WIDE
+from kvgen.cpu.llvm_ir import (
+    BYTES,
+    FLOATS,
+    I16,
+    I32,
+    I64,
+    INTS,
+    WORDS,
+    add_all,
+    arguments,
+    broadcast,
+    i64,
+    splat,
+    vector,
+)
 
 # Output rows per tile: one or two vectors of sums (LANES rows each); a tile's codes, read once from
 # memory, serve its activation rows ROWS_AT_ONCE at a time (8 at a time were no faster).
@@ -70,30 +84,16 @@ TILE = 16
 ROWS_AT_ONCE = 4
 # A call splits its tiles in at most this many runs of consecutive tiles, one per thread.
 PARTS = numba.config.NUMBA_NUM_THREADS
-numba.config.THREADING_LAYER = "omp"  # the same runtime kind as torch's (see Threads above)
-
-
-# Before any cached function is defined (numba_cache.py says why); the salt keeps builds for
-# different features apart.
-numba_cache.use_cache_dir(f"{FEATURES} parts={PARTS} amx={AMX}")
-
-_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_BYTES, _WORDS = ir.VectorType(_I8, 2 * LANES), ir.VectorType(_I16, 2 * LANES)
-_INTS, _FLOATS = ir.VectorType(_I32, LANES), ir.VectorType(ir.FloatType(), LANES)
-
-
-def _lanes(ty, values):
-    return ir.Constant(ir.VectorType(ty, len(values)), [ir.Constant(ty, v) for v in values])
 
 
 def _madd(builder, a, b):
     """<2 LANES x i16> a, b -> <LANES x i32>: a[2i] b[2i] + a[2i+1] b[2i+1] (one pmaddwd)."""
     if PMADDWD:
         name = "llvm.x86.avx512.pmaddw.d.512" if WIDE else "llvm.x86.avx2.pmadd.wd"
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_INTS, [_WORDS, _WORDS]), name)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(INTS, [WORDS, WORDS]), name)
         return builder.call(fn, [a, b])
-    even, odd = _lanes(_I32, range(0, 2 * LANES, 2)), _lanes(_I32, range(1, 2 * LANES, 2))
-    half = [builder.sext(builder.shuffle_vector(v, v, idx), _INTS) for v in (a, b) for idx in (even, odd)]
+    even, odd = vector(I32, range(0, 2 * LANES, 2)), vector(I32, range(1, 2 * LANES, 2))
+    half = [builder.sext(builder.shuffle_vector(v, v, idx), INTS) for v in (a, b) for idx in (even, odd)]
     return builder.add(builder.mul(half[0], half[2]), builder.mul(half[1], half[3]))
 
 
@@ -101,36 +101,16 @@ def _madd_add(builder, acc, a, b):
     """acc + _madd(a, b): one vpdpwssd where the CPU has AVX512-VNNI (the same integers)."""
     if not VNNI:
         return builder.add(acc, _madd(builder, a, b))
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_INTS, [_INTS, _INTS, _INTS]),
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(INTS, [INTS, INTS, INTS]),
                                         "llvm.x86.avx512.vpdpwssd.512")
-    return builder.call(fn, [acc, builder.bitcast(a, _INTS), builder.bitcast(b, _INTS)])
+    return builder.call(fn, [acc, builder.bitcast(a, INTS), builder.bitcast(b, INTS)])
 
 
 def _pair(builder, x, index):
     """The int16 pair x[2 index], x[2 index + 1] broadcast to every lane (x: an i32 pointer)."""
-    v = builder.load(builder.gep(x, [ir.Constant(_I64, index)]), align=4)
-    v = builder.insert_element(ir.Constant(_INTS, ir.Undefined), v, ir.Constant(_I32, 0))
-    return builder.bitcast(builder.shuffle_vector(v, v, _lanes(_I32, [0] * LANES)), _WORDS)
-
-
-def _broadcast(builder, x, ty=_FLOATS):
-    """The float x in every lane of a vector of type ty."""
-    v = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(v, v, _lanes(_I32, [0] * ty.count))
-
-
-def _splat(builder, ptr):
-    """The float at ptr in every lane."""
-    return _broadcast(builder, builder.load(ptr))
-
-
-def _arguments(context, builder, signature, args, names):
-    """An intrinsic's arguments by name, arrays as their data pointers."""
-    a = dict(zip(names, args, strict=True))
-    for i, name in enumerate(names):
-        if isinstance(signature.args[i], types.Array):
-            a[name] = context.make_array(signature.args[i])(context, builder, args[i]).data
-    return a
+    v = builder.load(builder.gep(x, [ir.Constant(I64, index)]), align=4)
+    v = builder.insert_element(ir.Constant(INTS, ir.Undefined), v, ir.Constant(I32, 0))
+    return builder.bitcast(builder.shuffle_vector(v, v, vector(I32, [0] * LANES)), WORDS)
 
 
 def _tile_linear(kind: str, rows: int):
@@ -150,66 +130,55 @@ def _tile_linear(kind: str, rows: int):
         sig = types.void(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
 
         def codegen(context, builder, signature, args):
-            a = _arguments(context, builder, signature, args, names)
-            at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
+            a = arguments(context, builder, signature, args, names)
+            at = lambda ptr, *terms: builder.gep(ptr, [add_all(builder, terms)])  # noqa: E731
             for cg in range(TILE // LANES):  # a vector of sums (LANES weight rows) at a time
-                total = [cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(rows)]
+                total = [cgutils.alloca_once_value(builder, ir.Constant(FLOATS, None)) for _ in range(rows)]
                 with cgutils.for_range(builder, a["groups"]) as loop:
                     g = loop.index
-                    q = at(a["codes"], a["base"], builder.mul(g, _int(pairs * TILE * 2)))
-                    xs = [builder.bitcast(at(a["xq"], a["xbase"], builder.mul(a["k"], _int(i)),
-                                             builder.mul(g, _int(32))), _I32.as_pointer()) for i in range(rows)]
+                    q = at(a["codes"], a["base"], builder.mul(g, i64(pairs * TILE * 2)))
+                    xs = [builder.bitcast(at(a["xq"], a["xbase"], builder.mul(a["k"], i64(i)),
+                                             builder.mul(g, i64(32))), I32.as_pointer()) for i in range(rows)]
                     # four sums a row, added at the block's end: a multiply-add waits for the one
                     # before it in its chain (vpdpwssd's latency), so one chain a row stalled
-                    chains = [[ir.Constant(_INTS, None)] * 4 for _ in range(rows)]
+                    chains = [[ir.Constant(INTS, None)] * 4 for _ in range(rows)]
                     for p in range(pairs):
-                        at_p = at(q, _int((p * TILE + cg * LANES) * 2))
-                        w = builder.load(builder.bitcast(at_p, _BYTES.as_pointer()), align=1)
+                        at_p = at(q, i64((p * TILE + cg * LANES) * 2))
+                        w = builder.load(builder.bitcast(at_p, BYTES.as_pointer()), align=1)
                         if kind == "q4":
-                            w = builder.zext(w, _WORDS)
-                            lo = builder.and_(w, _lanes(_I16, [15] * 2 * LANES))
-                            hi = builder.lshr(w, _lanes(_I16, [4] * 2 * LANES))
+                            w = builder.zext(w, WORDS)
+                            lo = builder.and_(w, vector(I16, [15] * 2 * LANES))
+                            hi = builder.lshr(w, vector(I16, [4] * 2 * LANES))
                             for i in range(rows):  # inputs 2p, 2p+1 in the low nibbles, 2p+16, 2p+17 high
                                 chains[i][p % 2] = _madd_add(builder, chains[i][p % 2], lo, _pair(builder, xs[i], p))
                                 chains[i][2 + p % 2] = _madd_add(builder, chains[i][2 + p % 2], hi,
                                                                  _pair(builder, xs[i], 8 + p))
                         else:
-                            w = builder.sext(w, _WORDS)
+                            w = builder.sext(w, WORDS)
                             for i in range(rows):
                                 chains[i][p % 4] = _madd_add(builder, chains[i][p % 4], w, _pair(builder, xs[i], p))
-                    dots = [_sum(builder, c) for c in chains]
-                    col = (a["dbase"], builder.mul(g, _int(TILE)), _int(cg * LANES))
-                    d = builder.load(builder.bitcast(at(a["d"], *col), _FLOATS.as_pointer()), align=4)
-                    m = builder.load(builder.bitcast(at(a["m"], *col), _FLOATS.as_pointer()), align=4) \
+                    dots = [add_all(builder, c) for c in chains]
+                    col = (a["dbase"], builder.mul(g, i64(TILE)), i64(cg * LANES))
+                    d = builder.load(builder.bitcast(at(a["d"], *col), FLOATS.as_pointer()), align=4)
+                    m = builder.load(builder.bitcast(at(a["m"], *col), FLOATS.as_pointer()), align=4) \
                         if kind == "q4" else None
                     for i in range(rows):
-                        block = (a["sbase"], builder.mul(a["groups"], _int(i)), g)
+                        block = (a["sbase"], builder.mul(a["groups"], i64(i)), g)
                         # d (dx dots) + m xs, in that order: plain fmul and fadd, which LLVM
                         # fuses into no multiply-add without fast-math flags (see below)
-                        term = builder.fmul(d, builder.fmul(_splat(builder, at(a["dx"], *block)),
-                                                            builder.sitofp(dots[i], _FLOATS)))
+                        term = builder.fmul(d, builder.fmul(splat(builder, at(a["dx"], *block)),
+                                                            builder.sitofp(dots[i], FLOATS)))
                         if kind == "q4":
-                            term = builder.fadd(term, builder.fmul(m, _splat(builder, at(a["xs"], *block))))
+                            term = builder.fadd(term, builder.fmul(m, splat(builder, at(a["xs"], *block))))
                         builder.store(builder.fadd(builder.load(total[i]), term), total[i])
                 for i in range(rows):
-                    out = at(a["y"], a["ybase"], builder.mul(a["ystride"], _int(i)), _int(cg * LANES))
-                    builder.store(builder.load(total[i]), builder.bitcast(out, _FLOATS.as_pointer()), align=4)
+                    out = at(a["y"], a["ybase"], builder.mul(a["ystride"], i64(i)), i64(cg * LANES))
+                    builder.store(builder.load(total[i]), builder.bitcast(out, FLOATS.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
 
     return tile_linear
-
-
-def _int(n):
-    return ir.Constant(_I64, n)
-
-
-def _sum(builder, terms):
-    out = terms[0]
-    for t in terms[1:]:
-        out = builder.add(out, t)
-    return out
 
 
 _q4_1, _q4_2, _q4_3, _q4_4 = (_tile_linear("q4", n) for n in range(1, ROWS_AT_ONCE + 1))
@@ -224,7 +193,7 @@ _q8_1, _q8_2, _q8_3, _q8_4 = (_tile_linear("q8", n) for n in range(1, ROWS_AT_ON
 def quantize(x):  # pragma: no cover - compiled
     """x [M, K] float32 -> (xq [M, K] int16, dx [M, K/32] scales, xs [M, K/32] fp32 block sums)."""
     xq, dx, xs = scratch(x.shape[0], x.shape[1])
-    return _round(x, xq, dx, xs)
+    return round_rows(x, xq, dx, xs)
 
 
 @njit(cache=True, nogil=True)
@@ -240,7 +209,7 @@ ROUND_IN_PARALLEL = 16
 
 
 @njit(cache=True, nogil=True)
-def _round(x, xq, dx, xs):  # pragma: no cover - compiled
+def round_rows(x, xq, dx, xs):  # pragma: no cover - compiled
     """quantize(x) into the front of the flat scratch arrays; returns them as [M, K], [M, K/32] x2.
     A call of many rows (a prompt chunk) cuts them among the threads: the same per-row code, so
     a row's numbers do not depend on which did it (no fastmath here)."""
@@ -249,7 +218,7 @@ def _round(x, xq, dx, xs):  # pragma: no cover - compiled
     xq, dx, xs = xq[:x.size].reshape(x.shape), dx[:rows * groups].reshape((rows, groups)), \
         xs[:rows * groups].reshape((rows, groups))
     if rows >= ROUND_IN_PARALLEL:
-        _round_parallel(x, xq, dx, xs)
+        round_rows_parallel(x, xq, dx, xs)
     else:
         for r in range(rows):
             _round_row(x[r], xq[r], dx[r], xs[r])
@@ -257,7 +226,7 @@ def _round(x, xq, dx, xs):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _round_parallel(x, xq, dx, xs):  # pragma: no cover - compiled
+def round_rows_parallel(x, xq, dx, xs):  # pragma: no cover - compiled
     rows = x.shape[0]
     parts = min(rows, PARTS)
     for part in prange(parts):
@@ -284,44 +253,44 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
     sig = types.void(x, xq, dx, xs, groups)
 
     def codegen(context, builder, signature, args):
-        a = _arguments(context, builder, signature, args, ("x", "xq", "dx", "xs", "groups"))
+        a = arguments(context, builder, signature, args, ("x", "xq", "dx", "xs", "groups"))
         f32 = ir.FloatType()
         fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16, [_F16]), "llvm.fabs.v16f32")
         rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16, [_F16]), "llvm.rint.v16f32")
 
         def half(v, lanes, start):  # lanes start .. start + lanes - 1 of v
-            return builder.shuffle_vector(v, v, _lanes(_I32, range(start, start + lanes)))
+            return builder.shuffle_vector(v, v, vector(I32, range(start, start + lanes)))
 
         def pick(v, idx):
-            return builder.shuffle_vector(v, v, _lanes(_I32, idx))
+            return builder.shuffle_vector(v, v, vector(I32, idx))
 
         def fmax(u, w):  # exact whichever way round (no NaN among activations)
             return builder.select(builder.fcmp_ordered(">", u, w), u, w)
 
         with cgutils.for_range(builder, a["groups"]) as loop:
             g = loop.index
-            at = builder.gep(a["x"], [builder.mul(g, _int(32))])
+            at = builder.gep(a["x"], [builder.mul(g, i64(32))])
             lo = builder.load(builder.bitcast(at, _F16.as_pointer()), align=4)
-            hi = builder.load(builder.bitcast(builder.gep(at, [_int(16)]), _F16.as_pointer()), align=4)
+            hi = builder.load(builder.bitcast(builder.gep(at, [i64(16)]), _F16.as_pointer()), align=4)
             s8 = builder.fadd(builder.fadd(half(lo, 8, 0), half(lo, 8, 8)),
                               builder.fadd(half(hi, 8, 0), half(hi, 8, 8)))
             s4 = builder.fadd(pick(s8, [0, 2, 4, 6]), pick(s8, [1, 3, 5, 7]))
             s2 = builder.fadd(pick(s4, [0, 2]), pick(s4, [1, 3]))
-            total = builder.fadd(builder.extract_element(s2, _int(0)), builder.extract_element(s2, _int(1)))
+            total = builder.fadd(builder.extract_element(s2, i64(0)), builder.extract_element(s2, i64(1)))
             m = fmax(builder.call(fabs, [lo]), builder.call(fabs, [hi]))
             for width in (8, 4, 2, 1):
                 m = fmax(half(m, width, 0), half(m, width, width))
-            top = builder.extract_element(m, _int(0))
+            top = builder.extract_element(m, i64(0))
             builder.store(total, builder.gep(a["xs"], [g]))
             builder.store(builder.fdiv(top, ir.Constant(f32, 32767.0)), builder.gep(a["dx"], [g]))
             positive = builder.fcmp_ordered(">", top, ir.Constant(f32, 0.0))
             inv = builder.select(positive, builder.fdiv(ir.Constant(f32, 32767.0), top), ir.Constant(f32, 0.0))
-            inv = _broadcast(builder, inv, _F16)
-            words = ir.VectorType(_I16, 16)
-            out = builder.bitcast(builder.gep(a["xq"], [builder.mul(g, _int(32))]), words.as_pointer())
+            inv = broadcast(builder, inv, _F16)
+            words = ir.VectorType(I16, 16)
+            out = builder.bitcast(builder.gep(a["xq"], [builder.mul(g, i64(32))]), words.as_pointer())
             for i, v in enumerate((lo, hi)):
                 q = builder.fptosi(builder.call(rint, [builder.fmul(v, inv)]), words)
-                builder.store(q, builder.gep(out, [_int(i)]), align=2)
+                builder.store(q, builder.gep(out, [i64(i)]), align=2)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -356,7 +325,7 @@ def _q8_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y
 
 
 @njit(nogil=True, inline="always")
-def _check(xq, dx, qs, pairs, d, y):  # pragma: no cover - compiled
+def check_shapes(xq, dx, qs, pairs, d, y):  # pragma: no cover - compiled
     """The intrinsics read and write through raw pointers: shapes and layouts are checked before,
     not trusted."""
     tiles, groups = qs.shape[0], qs.shape[1]
@@ -372,8 +341,8 @@ def _check(xq, dx, qs, pairs, d, y):  # pragma: no cover - compiled
 def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    _check(xq, dx, qs, 8, d, y)
-    _check(xq, xs, qs, 8, m, y)
+    check_shapes(xq, dx, qs, 8, d, y)
+    check_shapes(xq, xs, qs, 8, m, y)
     codes, xf, dxf, xsf, df, mf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
         d.reshape(-1), m.reshape(-1), y.reshape(-1)
     per_tile = codes.size // tiles
@@ -390,7 +359,7 @@ def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
 def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    _check(xq, dx, qs, 16, d, y)
+    check_shapes(xq, dx, qs, 16, d, y)
     codes, xf, dxf, df, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), d.reshape(-1), y.reshape(-1)
     per_tile = codes.size // tiles
     parts = min(tiles, PARTS)

@@ -1,23 +1,23 @@
-"""The block matmuls of cpu_kernels.py on AMX tiles, for steps of many rows (prompt chunks).
+"""The block matmuls of vector_matmul.py on AMX tiles, for steps of many rows (prompt chunks).
 
-cpu_kernels' pmaddwd / vpdpwssd kernels multiply int16 activations by the weights' codes 32 pairs
+vector_matmul' pmaddwd / vpdpwssd kernels multiply int16 activations by the weights' codes 32 pairs
 an instruction. A CPU with AMX-INT8 (Sapphire Rapids and later) multiplies a 16 x 64 tile of
 bytes by a 64 x 16 one, 16 K multiply-adds, in one TDPBUSD / TDPBSSD. The activations are int16,
 so each is split in its bytes, x = 256 hi + lo (lo unsigned, hi signed), and a block's dot
-product is 256 (hi . w) + (lo . w): two tile products, the same exact integer as cpu_kernels'.
-The rest is cpu_kernels' float epilogue, the same operations in the same order, so every row's
+product is 256 (hi . w) + (lo . w): two tile products, the same exact integer as vector_matmul'.
+The rest is vector_matmul' float epilogue, the same operations in the same order, so every row's
 output is bit-identical to what the vector kernels give it (a test holds both to that): a prompt
 row's K/V and logits stay those of the same token decoded alone.
 
 A tile of output rows (TILE = 16 weight rows) runs over all the call's activation rows, 16 at a
-time. For each 32-input block g: its weight codes are unpacked once a call from cpu_kernels'
+time. For each 32-input block g: its weight codes are unpacked once a call from vector_matmul'
 layout into a B tile (8 rows of [row c, 4 inputs] bytes: TDP's layout) in a per-thread buffer;
 the activation bytes are A tiles read straight from the split arrays (16 rows x 32 bytes); the
 two int32 products go to memory, and the epilogue adds d (dx dot) + m xs into 16 float vectors,
 one per activation row, kept in registers over the blocks.
 
-Linux hands a process the AMX state only when asked (cpu_kernels asks); where that fails, or
-the CPU (or NUMBA_CPU_FEATURES) has no AMX-INT8, cpu_features.AMX is False and the vector kernels
+Linux hands a process the AMX state only when asked (features.py asks); where that fails, or
+the CPU (or NUMBA_CPU_FEATURES) has no AMX-INT8, features.AMX is False and the vector kernels
 run every step (block_matmul.py chooses).
 """
 
@@ -29,8 +29,9 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.engine import cpu_kernels
-from kvgen.engine.cpu_kernels import _FLOATS, _I8, _I32, PARTS, TILE, _arguments, _int, _lanes
+from kvgen.cpu import vector_matmul
+from kvgen.cpu.llvm_ir import FLOATS, I8, I32, INTS, add_all, arguments, i64, splat, vector
+from kvgen.cpu.vector_matmul import PARTS, TILE
 
 # Rows from which a call takes the tiles: below that the vector kernels' 4-row passes cost less
 # than a 16-row tile pass padded with unused rows. Measured over a SmolLM2 layer's Q4_1 matmuls,
@@ -56,7 +57,7 @@ def _amx(builder, name, *args):
 
 
 def _tile(n):
-    return ir.Constant(_I8, n)
+    return ir.Constant(I8, n)
 
 
 # Tiles: 2, 3 the lo and hi activation bytes (16 rows x 32); per weight tile of a pass (two at
@@ -100,34 +101,34 @@ def _release(typingctx):
 
 
 def _unpack(kind: str):
-    """An intrinsic: the weight blocks of one tile (cpu_kernels' layout) as B tiles, 512 bytes a block."""
+    """An intrinsic: the weight blocks of one tile (vector_matmul' layout) as B tiles, 512 bytes a block."""
     pairs = 8 if kind == "q4" else 16
-    half = ir.VectorType(_I8, 32)
+    half = ir.VectorType(I8, 32)
     words = ir.VectorType(ir.IntType(16), 16)
-    row = ir.VectorType(_I8, 64)
+    row = ir.VectorType(I8, 64)
 
     @intrinsic
     def unpack(typingctx, codes, base, groups, out):
         def codegen(context, builder, signature, args):
-            a = _arguments(context, builder, signature, args, ("codes", "base", "groups", "out"))
+            a = arguments(context, builder, signature, args, ("codes", "base", "groups", "out"))
             with cgutils.for_range(builder, a["groups"]) as loop:
                 g = loop.index
-                q = builder.gep(a["codes"], [builder.add(a["base"], builder.mul(g, _int(pairs * TILE * 2)))])
-                dst = builder.gep(a["out"], [builder.mul(g, _int(512))])
+                q = builder.gep(a["codes"], [builder.add(a["base"], builder.mul(g, i64(pairs * TILE * 2)))])
+                dst = builder.gep(a["out"], [builder.mul(g, i64(512))])
                 for j in range(pairs // 2):  # B row j: inputs 4j .. 4j + 3 of each weight row
-                    w0, w1 = (builder.bitcast(builder.load(builder.bitcast(builder.gep(q, [_int(32 * p)]),
+                    w0, w1 = (builder.bitcast(builder.load(builder.bitcast(builder.gep(q, [i64(32 * p)]),
                                                                            half.as_pointer()), align=1), words)
                               for p in (2 * j, 2 * j + 1))
                     # pair 2j's two bytes of row c, then pair 2j + 1's: row c's 4 inputs in a row
-                    b = builder.bitcast(builder.shuffle_vector(w0, w1, _lanes(_I32, [v for c in range(16)
+                    b = builder.bitcast(builder.shuffle_vector(w0, w1, vector(I32, [v for c in range(16)
                                                                                     for v in (c, 16 + c)])), row)
                     if kind == "q4":  # low nibbles: inputs 4j ..; high nibbles: 16 + 4j ..
-                        put = [(j, builder.and_(b, _lanes(_I8, [15] * 64))),
-                               (j + 4, builder.lshr(b, _lanes(_I8, [4] * 64)))]
+                        put = [(j, builder.and_(b, vector(I8, [15] * 64))),
+                               (j + 4, builder.lshr(b, vector(I8, [4] * 64)))]
                     else:
                         put = [(j, b)]
                     for at, v in put:
-                        builder.store(v, builder.bitcast(builder.gep(dst, [_int(64 * at)]), row.as_pointer()),
+                        builder.store(v, builder.bitcast(builder.gep(dst, [i64(64 * at)]), row.as_pointer()),
                                       align=64)
             return context.get_dummy_value()
 
@@ -139,7 +140,7 @@ def _unpack(kind: str):
 def _tile_pass(kind: str, width: int):
     """An intrinsic: the output columns of `width` consecutive weight tiles (their B tiles one after
     the other in b) for activation rows r0 .. r0 + 15 (those below `rows`): y[r, c] = sum over
-    blocks g of d[c, g] (dx[r, g] dot[r, c, g]) + m[c, g] xs[r, g], as cpu_kernels._tile_linear
+    blocks g of d[c, g] (dx[r, g] dot[r, c, g]) + m[c, g] xs[r, g], as vector_matmul._tile_linear
     computes it, the dots from the tiles. Two tiles a pass share the A tiles, and their four
     products are independent: one pass's tile instructions wait less on each other's results."""
     names = ("b", "groups", "a", "r0", "rows", "dx", "xs", "d", "m", "dbase", "y", "ybase", "ystride", "c")
@@ -149,58 +150,58 @@ def _tile_pass(kind: str, width: int):
         sig = types.void(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
 
         def codegen(context, builder, signature, args):
-            a = _arguments(context, builder, signature, args, names)
-            at = lambda ptr, *terms: builder.gep(ptr, [cpu_kernels._sum(builder, terms)])  # noqa: E731
+            a = arguments(context, builder, signature, args, names)
+            at = lambda ptr, *terms: builder.gep(ptr, [add_all(builder, terms)])  # noqa: E731
             # padding rows (past `rows`) read row r0's scales and are not stored
-            mine = [builder.select(builder.icmp_signed("<", builder.add(a["r0"], _int(i)), a["rows"]),
-                                   builder.add(a["r0"], _int(i)), a["r0"]) for i in range(_ROWS)]
-            total = [[cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(_ROWS)]
+            mine = [builder.select(builder.icmp_signed("<", builder.add(a["r0"], i64(i)), a["rows"]),
+                                   builder.add(a["r0"], i64(i)), a["r0"]) for i in range(_ROWS)]
+            total = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS, None)) for _ in range(_ROWS)]
                      for _ in range(width)]
-            ints = builder.bitcast(a["c"], cpu_kernels._INTS.as_pointer())
+            ints = builder.bitcast(a["c"], INTS.as_pointer())
             c = builder.bitcast(a["c"], _PTR)
             with cgutils.for_range(builder, a["groups"]) as loop:
                 g = loop.index
                 # split()'s run for rows r0.. and block g: 16 x 32 lo bytes, then the hi bytes
-                first = builder.mul(builder.add(builder.mul(a["r0"], a["groups"]), builder.mul(g, _int(_ROWS))),
-                                    _int(64))
-                _amx(builder, "tileloadd64", _tile(A_LO), builder.bitcast(at(a["a"], first), _PTR), _int(32))
-                _amx(builder, "tileloadd64", _tile(A_HI), builder.bitcast(at(a["a"], first, _int(512)), _PTR),
-                     _int(32))
+                first = builder.mul(builder.add(builder.mul(a["r0"], a["groups"]), builder.mul(g, i64(_ROWS))),
+                                    i64(64))
+                _amx(builder, "tileloadd64", _tile(A_LO), builder.bitcast(at(a["a"], first), _PTR), i64(32))
+                _amx(builder, "tileloadd64", _tile(A_HI), builder.bitcast(at(a["a"], first, i64(512)), _PTR),
+                     i64(32))
                 for w in range(width):
                     lo, hi, bt = PRODUCTS[w]
-                    at_b = at(a["b"], builder.mul(builder.add(g, builder.mul(a["groups"], _int(w))), _int(512)))
-                    _amx(builder, "tileloadd64", _tile(bt), builder.bitcast(at_b, _PTR), _int(64))
+                    at_b = at(a["b"], builder.mul(builder.add(g, builder.mul(a["groups"], i64(w))), i64(512)))
+                    _amx(builder, "tileloadd64", _tile(bt), builder.bitcast(at_b, _PTR), i64(64))
                     _amx(builder, "tilezero", _tile(lo))
                     _amx(builder, "tilezero", _tile(hi))
                     _amx(builder, "tdpbusd", _tile(lo), _tile(A_LO), _tile(bt))
                     _amx(builder, "tdpbssd", _tile(hi), _tile(A_HI), _tile(bt))
                 for w in range(width):
                     lo, hi, _ = PRODUCTS[w]
-                    _amx(builder, "tilestored64", _tile(lo), builder.gep(c, [_int(2048 * w)]), _int(64))
-                    _amx(builder, "tilestored64", _tile(hi), builder.gep(c, [_int(2048 * w + 1024)]), _int(64))
+                    _amx(builder, "tilestored64", _tile(lo), builder.gep(c, [i64(2048 * w)]), i64(64))
+                    _amx(builder, "tilestored64", _tile(hi), builder.gep(c, [i64(2048 * w + 1024)]), i64(64))
                 for w in range(width):
-                    col = (a["dbase"], builder.mul(builder.add(g, builder.mul(a["groups"], _int(w))), _int(TILE)))
-                    dv = builder.load(builder.bitcast(at(a["d"], *col), _FLOATS.as_pointer()), align=4)
-                    mv = builder.load(builder.bitcast(at(a["m"], *col), _FLOATS.as_pointer()), align=4) \
+                    col = (a["dbase"], builder.mul(builder.add(g, builder.mul(a["groups"], i64(w))), i64(TILE)))
+                    dv = builder.load(builder.bitcast(at(a["d"], *col), FLOATS.as_pointer()), align=4)
+                    mv = builder.load(builder.bitcast(at(a["m"], *col), FLOATS.as_pointer()), align=4) \
                         if kind == "q4" else None
                     for i in range(_ROWS):
-                        lo_dot = builder.load(builder.gep(ints, [_int(2 * _ROWS * w + i)]), align=64)
-                        hi_dot = builder.load(builder.gep(ints, [_int(2 * _ROWS * w + _ROWS + i)]), align=64)
-                        dot = builder.add(builder.shl(hi_dot, _lanes(_I32, [8] * TILE)), lo_dot)
+                        lo_dot = builder.load(builder.gep(ints, [i64(2 * _ROWS * w + i)]), align=64)
+                        hi_dot = builder.load(builder.gep(ints, [i64(2 * _ROWS * w + _ROWS + i)]), align=64)
+                        dot = builder.add(builder.shl(hi_dot, vector(I32, [8] * TILE)), lo_dot)
                         block = (builder.mul(mine[i], a["groups"]), g)
-                        # cpu_kernels._tile_linear's epilogue, operation for operation
-                        term = builder.fmul(dv, builder.fmul(cpu_kernels._splat(builder, at(a["dx"], *block)),
-                                                             builder.sitofp(dot, _FLOATS)))
+                        # vector_matmul._tile_linear's epilogue, operation for operation
+                        term = builder.fmul(dv, builder.fmul(splat(builder, at(a["dx"], *block)),
+                                                             builder.sitofp(dot, FLOATS)))
                         if kind == "q4":
-                            term = builder.fadd(term, builder.fmul(mv, cpu_kernels._splat(builder,
+                            term = builder.fadd(term, builder.fmul(mv, splat(builder,
                                                                                         at(a["xs"], *block))))
                         builder.store(builder.fadd(builder.load(total[w][i]), term), total[w][i])
             for i in range(_ROWS):
-                r = builder.add(a["r0"], _int(i))
+                r = builder.add(a["r0"], i64(i))
                 with builder.if_then(builder.icmp_signed("<", r, a["rows"])):
                     for w in range(width):
-                        out = at(a["y"], a["ybase"], builder.mul(a["ystride"], r), _int(TILE * w))
-                        builder.store(builder.load(total[w][i]), builder.bitcast(out, _FLOATS.as_pointer()), align=4)
+                        out = at(a["y"], a["ybase"], builder.mul(a["ystride"], r), i64(TILE * w))
+                        builder.store(builder.load(total[w][i]), builder.bitcast(out, FLOATS.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -217,15 +218,15 @@ _CONFIG = tile_config()
 @intrinsic
 def _block_bytes(typingctx, src, at, out, base):
     """32 int16 from src[at] -> their low bytes at out[base], their high bytes 512 further on."""
-    words, half = ir.VectorType(ir.IntType(16), 32), ir.VectorType(_I8, 32)
+    words, half = ir.VectorType(ir.IntType(16), 32), ir.VectorType(I8, 32)
 
     def codegen(context, builder, signature, args):
-        a = _arguments(context, builder, signature, args, ("src", "at", "out", "base"))
+        a = arguments(context, builder, signature, args, ("src", "at", "out", "base"))
         v = builder.load(builder.bitcast(builder.gep(a["src"], [a["at"]]), words.as_pointer()), align=2)
         to = builder.gep(a["out"], [a["base"]])
         builder.store(builder.trunc(v, half), builder.bitcast(to, half.as_pointer()), align=1)
-        high = builder.trunc(builder.lshr(v, _lanes(ir.IntType(16), [8] * 32)), half)
-        builder.store(high, builder.bitcast(builder.gep(to, [_int(_ROWS * 32)]), half.as_pointer()), align=1)
+        high = builder.trunc(builder.lshr(v, vector(ir.IntType(16), [8] * 32)), half)
+        builder.store(high, builder.bitcast(builder.gep(to, [i64(_ROWS * 32)]), half.as_pointer()), align=1)
         return context.get_dummy_value()
 
     return types.void(src, at, out, base), codegen
@@ -250,21 +251,21 @@ def split(xq):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
-    """cpu_kernels.q4_matmul on tiles (same arguments, same bits)."""
-    cpu_kernels._check(xq, dx, qs, 8, d, y)
-    cpu_kernels._check(xq, xs, qs, 8, m, y)
-    _matmul(True, xq, dx, xs, qs, d, m, y)
+    """vector_matmul.q4_matmul on tiles (same arguments, same bits)."""
+    vector_matmul.check_shapes(xq, dx, qs, 8, d, y)
+    vector_matmul.check_shapes(xq, xs, qs, 8, m, y)
+    tile_matmul(True, xq, dx, xs, qs, d, m, y)
 
 
 @njit(cache=True, nogil=True)
 def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
-    """cpu_kernels.q8_matmul on tiles (same arguments, same bits)."""
-    cpu_kernels._check(xq, dx, qs, 16, d, y)
-    _matmul(False, xq, dx, dx, qs, d, d, y)  # Q8_0 has no m: its xs and m are never read
+    """vector_matmul.q8_matmul on tiles (same arguments, same bits)."""
+    vector_matmul.check_shapes(xq, dx, qs, 16, d, y)
+    tile_matmul(False, xq, dx, dx, qs, d, d, y)  # Q8_0 has no m: its xs and m are never read
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def _matmul(q4, xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
+def tile_matmul(q4, xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
     """The weight tiles cut in runs, one a thread; each run TILES_AT_ONCE tiles at a time, unpacked,
     then every row block through them, two tiles a pass."""
     rows = xq.shape[0]

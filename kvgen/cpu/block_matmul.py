@@ -1,6 +1,6 @@
 """y = x W^T for a weight in GGUF blocks, as the model and the fused step call it: the activations
-rounded to int16 per block of 32 (cpu_kernels' rule), then the products on AMX tiles for a call
-of AMX_FROM (12) rows or more where the CPU has them (amx_kernels.py), else cpu_kernels' vector
+rounded to int16 per block of 32 (vector_matmul' rule), then the products on AMX tiles for a call
+of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vector_matmul' vector
 kernels.
 Both give every row the same bits, so which one ran never shows in a row's output."""
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from numba import njit
 
-from kvgen.engine import amx_kernels, cpu_features, cpu_kernels
+from kvgen.cpu import amx_matmul, features, vector_matmul
 
 # A plain global, so that Numba prunes the tiles' branch where it is False: a build without
 # AMX-INT8 cannot even compile their intrinsics.
-AMX = cpu_features.AMX
+AMX = features.AMX
 
 
 @njit(cache=True, nogil=True)
@@ -20,18 +20,18 @@ def q4_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
     """y = x W^T for a Q4_0 / Q4_1 weight in blocks: x rounded to int16 into room (a scratch),
     then the block kernels: AMX tiles for AMX_FROM rows or more where the CPU has them, else the
     vector kernels (the same bits)."""
-    xq, dx, xs = cpu_kernels._round(x, room[0], room[1], room[2])
-    if AMX and x.shape[0] >= amx_kernels.AMX_FROM:
-        amx_kernels.q4_matmul(xq, dx, xs, qs, d, m, y)
+    xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
+        amx_matmul.q4_matmul(xq, dx, xs, qs, d, m, y)
     else:
-        cpu_kernels.q4_matmul(xq, dx, xs, qs, d, m, y)
+        vector_matmul.q4_matmul(xq, dx, xs, qs, d, m, y)
 
 
 @njit(cache=True, nogil=True)
 def q8_linear(x, qs, d, y, room):  # pragma: no cover - compiled
     """y = x W^T for a Q8_0 weight in blocks (as q4_linear)."""
-    xq, dx, _ = cpu_kernels._round(x, room[0], room[1], room[2])
-    if AMX and x.shape[0] >= amx_kernels.AMX_FROM:
-        amx_kernels.q8_matmul(xq, dx, qs, d, y)
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
+        amx_matmul.q8_matmul(xq, dx, qs, d, y)
     else:
-        cpu_kernels.q8_matmul(xq, dx, qs, d, y)
+        vector_matmul.q8_matmul(xq, dx, qs, d, y)

@@ -1,4 +1,4 @@
-"""kv_lanes.py's dequantizing kernels, through fused_kv.load_block: every fp8 code and every q4
+"""kv_lanes.py's dequantizing kernels, through kv_io.load_block: every fp8 code and every q4
 nibble reads back as the format's own read, bit for bit, in this CPU's build and in the AVX2
 build (8 lanes)."""
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.engine import cpu_features, fused_kv
+from kvgen.cpu import features, kv_io
 from kvgen.engine.kv.formats import make_format
 
 L, BS, KVH, HD = 2, 16, 2, 64
@@ -34,7 +34,7 @@ def check_fp8_codes() -> None:
         k, v = fmt.read(store, 1, torch.tensor([1]))
         for kv, want in enumerate((k, v)):
             for h in range(KVH):
-                fused_kv.load_block(fused_kv.cache_tuple(fmt, store), 1, kv, 1, h, BS, tile)
+                kv_io.load_block(kv_io.cache_tuple(fmt, store), 1, kv, 1, h, BS, tile)
                 assert torch.equal(torch.from_numpy(tile).view(torch.int32), want[0, :, h].view(torch.int32))
 
 
@@ -59,7 +59,7 @@ def check_q4_rows() -> None:
             for kv, want in enumerate((k, v)):
                 for h in range(KVH):
                     for n in (BS, 5):
-                        fused_kv.load_block(fused_kv.cache_tuple(fmt, store), layer, kv, b, h, n, tile)
+                        kv_io.load_block(kv_io.cache_tuple(fmt, store), layer, kv, b, h, n, tile)
                         assert torch.equal(torch.from_numpy(tile[:n]).view(torch.int32),
                                            want[0, :n, h].contiguous().view(torch.int32)), (b, layer, kv, h, n)
 
@@ -75,13 +75,13 @@ def test_q4_rows_read_back_as_the_formats_read():
 def test_the_avx2_build_reads_alike():
     """The same checks in a build for this CPU with AVX-512 turned off (NUMBA_CPU_FEATURES, a
     cache of its own): 8 lanes, a q4 row's 32 nibbles in 4 steps."""
-    if "+avx512f" not in cpu_features.FEATURES.split(","):
+    if "+avx512f" not in features.FEATURES.split(","):
         pytest.skip("this CPU has no AVX-512: the AVX2 build is what runs here")
-    features = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in cpu_features.FEATURES.split(","))
-    code = ("from kvgen.engine import cpu_features; assert cpu_features.LANES == 8; "
-            "from tests.engine.test_kv_lanes import check_fp8_codes, check_q4_rows; "
+    isa = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in features.FEATURES.split(","))
+    code = ("from kvgen.cpu import features; assert features.LANES == 8; "
+            "from tests.cpu.test_kv_lanes import check_fp8_codes, check_q4_rows; "
             "check_fp8_codes(); check_q4_rows()")
     with tempfile.TemporaryDirectory() as d:
-        env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=d)
+        env = dict(os.environ, NUMBA_CPU_FEATURES=isa, NUMBA_CACHE_DIR=d)
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[2])

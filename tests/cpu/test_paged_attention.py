@@ -1,4 +1,4 @@
-"""key_lanes.py's kernels in plain_attention.py (FusedDecode's attention over fp32 KV): softmax attention, the same bits
+"""key_lanes.py's kernels in paged_attention.py (FusedDecode's attention over fp32 KV): softmax attention, the same bits
 for a row whatever its step holds (alone or among others, keys from the cache's rows or from
 their transposed copy, on one thread or two), on this CPU's build and on the AVX2 and no-FMA
 builds."""
@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgen.engine import cpu_features, fused_kv, key_lanes, plain_attention
+from kvgen.cpu import features, key_lanes, kv_io, paged_attention
 
 # (query heads, KV heads, head_dim, block): groups of 3, 1 and 8 (more than key_lanes.MAX_HEADS),
 # a head_dim that is not a multiple of four vectors (values' one-vector tail), blocks of 32
 SHAPES = [(9, 3, 64, 16), (4, 4, 32, 32), (16, 2, 128, 16), (6, 2, 80, 16)]
-# last positions: one key, a tile's edge, a block's, a run's (plain_attention.SPLIT) and three runs
+# last positions: one key, a tile's edge, a block's, a run's (paged_attention.SPLIT) and three runs
 POSITIONS = [0, 15, 16, 37, 255, 256, 300, 700]
 
 
@@ -37,16 +37,16 @@ def cache(shape, rows, seed=0):
 
 
 def attend(shape, kv, tables, positions, q, transposed=False, layer=1):
-    """plain_attention.attend as FusedDecode's step calls it (transposed: from transpose_blocks' copy)."""
+    """paged_attention.attend as FusedDecode's step calls it (transposed: from transpose_blocks' copy)."""
     heads, kv_heads, hd, block = shape
     out = np.full((len(positions), heads * hd), np.nan, np.float32)
     slot, kt = np.zeros(kv.shape[0], np.int64), np.empty((0, kv_heads, hd, block), np.float32)
     if transposed:
-        blocks, slot = plain_attention.blocks_read(tables, positions, block, kv.shape[0])
+        blocks, slot = paged_attention.blocks_read(tables, positions, block, kv.shape[0])
         kt = np.empty((len(blocks), kv_heads, hd, block), np.float32)
         key_lanes.transpose_blocks(kv, layer, blocks, kt)
-    plan = plain_attention.plan(positions, kv_heads, heads // kv_heads, hd)
-    plain_attention.attend(q, kv, fused_kv.cache_tuple(None, {}), layer, tables, positions, heads, kv_heads, hd, out,
+    plan = paged_attention.plan(positions, kv_heads, heads // kv_heads, hd)
+    paged_attention.attend(q, kv, kv_io.cache_tuple(None, {}), layer, tables, positions, heads, kv_heads, hd, out,
                            *plan, slot, kt)
     return out
 
@@ -90,7 +90,7 @@ def test_a_prompt_chunks_rows_equal_the_same_rows_decoded_one_at_a_time():
 
 
 def test_rows_at_consecutive_positions_of_other_sequences_are_not_bundled_with_a_chunk():
-    """plain_attention reads a tile of keys once for up to BUNDLE consecutive rows of one sequence.
+    """paged_attention reads a tile of keys once for up to BUNDLE consecutive rows of one sequence.
     A row at the next position of another sequence that shares the chunk's first blocks (a prefix
     cache hit) but not its last, and a chunk cut by the threads mid-bundle, still get their own
     keys: every row equals that row attended alone."""
@@ -130,19 +130,19 @@ def test_other_builds_attend_alike(build):
     feature turned off (NUMBA_CPU_FEATURES, in a process with a cache of its own): softmax
     attention, and the same bits from the cache's rows and from the transposed copy."""
     drop, lanes = BUILDS[build]
-    if drop not in cpu_features.FEATURES.split(","):
+    if drop not in features.FEATURES.split(","):
         pytest.skip(f"this CPU has no {drop[1:]}: that build is what runs here")
-    code = ("import numpy as np; from kvgen.engine import key_lanes; "
-            "from tests.engine.test_plain_attention import SHAPES, POSITIONS, cache, attend, reference; "
-            f"assert {lanes} in (None, key_lanes.LANES) and key_lanes.FMA == {build != 'no-fma'}; "
+    code = ("import numpy as np; from kvgen.cpu import key_lanes, llvm_ir; "
+            "from tests.cpu.test_paged_attention import SHAPES, POSITIONS, cache, attend, reference; "
+            f"assert {lanes} in (None, key_lanes.LANES) and llvm_ir.FMA == {build != 'no-fma'}; "
             "shape = SHAPES[0]; kv, tables, positions, q = cache(shape, POSITIONS); "
             "out = attend(shape, kv, tables, positions, q); "
             "np.testing.assert_allclose(out, reference(shape, kv, tables, positions, q), rtol=0, atol=2e-5); "
             "assert np.array_equal(attend(shape, kv, tables, positions, q, transposed=True), out)")
-    features = cpu_features.FEATURES.replace(drop, "-" + drop[1:])
+    isa = features.FEATURES.replace(drop, "-" + drop[1:])
     if build == "avx2":  # every AVX-512 feature goes with avx512f
-        features = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in features.split(","))
+        isa = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in isa.split(","))
     with tempfile.TemporaryDirectory() as d:
-        env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=d)
+        env = dict(os.environ, NUMBA_CPU_FEATURES=isa, NUMBA_CACHE_DIR=d)
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[2])

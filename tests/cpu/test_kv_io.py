@@ -1,4 +1,4 @@
-"""FusedDecode over the quantized KV formats (fused_kv.py): its cache write is the format's
+"""FusedDecode over the quantized KV formats (kv_io.py): its cache write is the format's
 write byte for byte, its attention is attention over the format's read, and whole decode steps
 equal Model.forward on the same format, with and without the exact tail."""
 
@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvgen.engine import fused_kv, plain_attention
-from kvgen.engine.calibration import calibrate_format
+from kvgen.cpu import kv_io, paged_attention
 from kvgen.engine.fused_decode import FusedDecode
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.pool import BlockPool
+from kvgen.engine.kv_samples import calibrate_format
 from kvgen.engine.model_runner import ModelRunner
 from tests.engine.test_fused_decode import decode_step, prefill, q4_model  # noqa: F401  (fixture)
-from tests.engine.test_loader import bpe, gguf_base  # noqa: F401  (fixtures)
+from tests.engine.test_model_files import bpe, gguf_base  # noqa: F401  (fixtures)
 
-# more rows than a kernel call takes at once (cpu_kernels.ROWS_AT_ONCE), and not a multiple of it
+# more rows than a kernel call takes at once (vector_matmul.ROWS_AT_ONCE), and not a multiple of it
 MANY = 33
 
 L, BS, KVH, HD = 2, 16, 2, 32
@@ -43,21 +43,21 @@ def rows_like(gen, n):
 @pytest.mark.parametrize("name", ["fp8", "q4"])
 def test_the_write_is_the_formats_write_byte_for_byte(name):
     """Tokens written one at a time through blocks (offset 0 of a reused block starts it over):
-    fused_kv.write leaves every byte of the store as the format's write does."""
+    kv_io.write leaves every byte of the store as the format's write does."""
     fmt = make_format(name, L, BS, KVH, HD)
     ref, got = fmt.allocate(3), fmt.allocate(3)
     for t in (ref, got):  # stale bytes in the blocks, as a reused block has
         for a in t.values():
             a.view(torch.uint8).copy_(torch.randint(0, 256, a.view(torch.uint8).shape,
                                                     generator=torch.Generator().manual_seed(1), dtype=torch.uint8))
-    c = fused_kv.cache_tuple(fmt, got)
+    c = kv_io.cache_tuple(fmt, got)
     gen = torch.Generator().manual_seed(0)
     for pos in range(3 * BS + 5):
         b, off = (pos // BS) % 3, pos % BS
         k, v = rows_like(gen, 1), rows_like(gen, 1)
         for layer in range(L):
             fmt.write(ref, layer, torch.tensor([b]), torch.tensor([off]), k, v)
-            fused_kv.write(c, layer, pos, b, off, k.flatten().numpy(), v.flatten().numpy(), KVH)
+            kv_io.write(c, layer, pos, b, off, k.flatten().numpy(), v.flatten().numpy(), KVH)
         for key in ref:
             assert torch.equal(got[key].view(torch.uint8), ref[key].view(torch.uint8)), (pos, key)
 
@@ -68,11 +68,11 @@ def test_rounding_matches_torchs_casts():
                    torch.tensor([0.0, 65519.0, 65520.0, 1e9, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14 * 0.99])])
     x = x.abs().float()
     want = x.to(torch.float16).view(torch.int16).numpy().view(np.uint16)
-    assert [fused_kv.f16_bits(v) for v in x.numpy()] == want.tolist()
+    assert [kv_io.f16_bits(v) for v in x.numpy()] == want.tolist()
     y = torch.cat([torch.randn(20000) * 10.0 ** torch.randint(-5, 3, (20000,)), torch.tensor([-0.0, 448.0, -448.0])])
     s = np.float32(1.0)
     want = y.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-    assert [fused_kv.fp8_code(v, s) for v in y.numpy()] == want.tolist()
+    assert [kv_io.fp8_code(v, s) for v in y.numpy()] == want.tolist()
 
 
 @pytest.mark.parametrize("name,slots", VARIANTS)
@@ -82,7 +82,7 @@ def test_attend_is_attention_over_the_formats_read(name, slots):
     heads, gen = 2 * KVH, torch.Generator().manual_seed(3)
     fmt = make_format(name, L, BS, KVH, HD, recent_slots=slots)
     store = fmt.allocate(40)
-    lengths = [1, 16, 17, 40, 70, 300]  # 300: two runs of keys (plain_attention.SPLIT), merged
+    lengths = [1, 16, 17, 40, 70, 300]  # 300: two runs of keys (paged_attention.SPLIT), merged
     tables = ([list(range(4 * i, 4 * i + 4)) + [0] * 15 for i in range(4)] + [list(range(16)[::-1][:5]) + [0] * 14]
               + [list(range(39, 20, -1))])
     for n, table in zip(lengths, tables, strict=True):
@@ -100,8 +100,8 @@ def test_attend_is_attention_over_the_formats_read(name, slots):
     slot = np.zeros(1, np.int64)
     for layer in range(L):
         out = np.zeros((len(lengths), heads * HD), np.float32)
-        plain_attention.attend(q.numpy(), empty, fused_kv.cache_tuple(fmt, store), layer, tab, positions, heads, KVH,
-                               HD, out, *plain_attention.plan(positions, KVH, heads // KVH, HD), slot, kt)
+        paged_attention.attend(q.numpy(), empty, kv_io.cache_tuple(fmt, store), layer, tab, positions, heads, KVH,
+                               HD, out, *paged_attention.plan(positions, KVH, heads // KVH, HD), slot, kt)
         for r, (n, table) in enumerate(zip(lengths, tables, strict=True)):
             k, v = fmt.read(store, layer, torch.tensor(table))
             k, v = (x.reshape(-1, KVH, HD)[:n].transpose(0, 1) for x in (k, v))  # [KVH, n, HD]

@@ -2,7 +2,7 @@
 
 threads.py says why: a second libgomp pool (the importing thread's, next to the engine thread's)
 made every fused decode step ~2.5x slower on 2 cores. It happened once through a torch op over
-65,536 values run at import (fused_kv's float16 table); this test would have caught it.
+65,536 values run at import (kv_io's float16 table); this test would have caught it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvgen.engine.threads import in_fresh_thread
+from kvgen.cpu.threads import in_fresh_thread
 
 _COUNT = """
 import importlib, os, pkgutil
@@ -22,9 +22,10 @@ print(before, len(os.listdir("/proc/self/task")))
 """
 
 _IMPORT_ENGINE = """
-import kvgen.engine
-for m in pkgutil.walk_packages(kvgen.engine.__path__, "kvgen.engine."):
-    importlib.import_module(m.name)
+import kvgen.cpu, kvgen.engine
+for pkg in (kvgen.cpu, kvgen.engine):
+    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + "."):
+        importlib.import_module(m.name)
 """
 
 
@@ -41,9 +42,9 @@ def test_a_large_torch_op_on_the_importing_thread_opens_a_pool():
     assert after > before
 
 
-def test_importing_every_engine_module_opens_no_thread():
+def test_importing_every_cpu_and_engine_module_opens_no_thread():
     before, after = _threads(_IMPORT_ENGINE)
-    assert after == before, f"importing kvgen.engine started {after - before} threads"
+    assert after == before, f"importing kvgen.cpu and kvgen.engine started {after - before} threads"
 
 
 def test_in_fresh_thread_returns_the_result_and_raises_the_error():
@@ -65,7 +66,7 @@ import tempfile
 from safetensors.torch import save_file
 from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.sampling import SamplingParams
-from kvgen.engine.threads import in_fresh_thread
+from kvgen.cpu.threads import in_fresh_thread
 from tests.engine.speculative.test_lossless import eagle_head
 from tests.engine.test_batch_invariance import small_model
 model, tokenizer = in_fresh_thread(small_model)

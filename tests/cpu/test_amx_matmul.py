@@ -1,4 +1,4 @@
-"""The AMX tile matmuls (amx_kernels.py): the same bits as cpu_kernels' vector kernels, row for row,
+"""The AMX tile matmuls (amx_matmul.py): the same bits as vector_matmul' vector kernels, row for row,
 for every weight kind, row count and tile split; the activations' bytes as the tiles read them.
 They run where the CPU has AMX-INT8 and Linux grants it (elsewhere there is nothing to run)."""
 
@@ -8,27 +8,27 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.engine import amx_kernels, cpu_features, cpu_kernels
-from kvgen.engine.blocks import BlockLinear, Blocks
-from tests.engine.test_blocks import TYPES, quantized
+from kvgen.cpu import amx_matmul, features, vector_matmul
+from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks
+from tests.cpu.test_weight_blocks import TYPES, quantized
 
-needs_amx = pytest.mark.skipif(not cpu_features.AMX, reason="this CPU (or Linux) gives no AMX-INT8: the vector "
+needs_amx = pytest.mark.skipif(not features.AMX, reason="this CPU (or Linux) gives no AMX-INT8: the vector "
                                                            "kernels run every step")
 
 
 def _both(qtype, n: int, k: int, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(vector kernels' y, tile kernels' y) for one random weight and activation."""
-    lin = BlockLinear(Blocks.from_gguf(qtype.name, quantized(qtype, n, k, seed)[0]), None)
+    lin = BlockLinear(WeightBlocks.from_gguf(qtype.name, quantized(qtype, n, k, seed)[0]), None)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).numpy()
     x[rows // 2] *= 1e4  # a row of large activations: its int16 codes use their high bytes fully
-    xq, dx, xs = cpu_kernels.quantize(x)
-    ys = [np.full((rows, lin.qs.shape[0] * cpu_kernels.TILE), np.nan, np.float32) for _ in range(2)]
+    xq, dx, xs = vector_matmul.quantize(x)
+    ys = [np.full((rows, lin.qs.shape[0] * vector_matmul.TILE), np.nan, np.float32) for _ in range(2)]
     if lin.m is not None:
-        cpu_kernels.q4_matmul(xq, dx, xs, lin.qs, lin.d, lin.m, ys[0])
-        amx_kernels.q4_matmul(xq, dx, xs, lin.qs, lin.d, lin.m, ys[1])
+        vector_matmul.q4_matmul(xq, dx, xs, lin.qs, lin.d, lin.m, ys[0])
+        amx_matmul.q4_matmul(xq, dx, xs, lin.qs, lin.d, lin.m, ys[1])
     else:
-        cpu_kernels.q8_matmul(xq, dx, lin.qs, lin.d, ys[0])
-        amx_kernels.q8_matmul(xq, dx, lin.qs, lin.d, ys[1])
+        vector_matmul.q8_matmul(xq, dx, lin.qs, lin.d, ys[0])
+        amx_matmul.q8_matmul(xq, dx, lin.qs, lin.d, ys[1])
     return ys[0], ys[1]
 
 
@@ -49,8 +49,8 @@ def test_tiles_give_the_vector_kernels_bits(qtype, rows, n, k):
 def test_a_step_of_many_rows_takes_the_tiles_and_a_row_keeps_its_bits():
     """Through BlockLinear (what the model calls): 40 rows at once (tiles) give each row the bits
     it gets alone (vector kernels)."""
-    assert amx_kernels.AMX_FROM <= 40
-    lin = BlockLinear(Blocks.from_gguf("Q4_1", quantized(TYPES[1], 96, 576)[0]), None)
+    assert amx_matmul.AMX_FROM <= 40
+    lin = BlockLinear(WeightBlocks.from_gguf("Q4_1", quantized(TYPES[1], 96, 576)[0]), None)
     x = torch.randn(40, 576, generator=torch.Generator().manual_seed(5))
     together = lin(x)
     for i in (0, 17, 39):
@@ -63,7 +63,7 @@ def test_split_lays_out_each_rows_bytes_as_the_tiles_read_them():
     16 rows, 32] order; the padding rows of the last block are not the data's."""
     rows, k = 37, 96
     xq = np.random.default_rng(0).integers(-32767, 32768, (rows, k)).astype(np.int16)
-    out = amx_kernels.split(xq).reshape(3, k // 32, 2, 16, 32)
+    out = amx_matmul.split(xq).reshape(3, k // 32, 2, 16, 32)
     lo = out[:, :, 0].transpose(0, 2, 1, 3).reshape(48, k)[:rows].astype(np.int32)
     hi = out[:, :, 1].view(np.int8).transpose(0, 2, 1, 3).reshape(48, k)[:rows].astype(np.int32)
     assert np.array_equal(256 * hi + lo, xq.astype(np.int32))

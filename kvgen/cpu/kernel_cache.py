@@ -1,11 +1,12 @@
-"""Where Numba caches kvgen's compiled kernels: a folder named by a hash of the engine's sources.
+"""Where Numba caches kvgen's compiled kernels: a folder named by a hash of kvgen/cpu's sources.
 
 Numba's disk cache checks only the source file of the function it caches, and a cached caller
-holds its callees' code (fused_decode's step holds cpu_kernels' matmuls and fused_kv's
-loops): after a change in a callee's file the caller's cache would still run the old code, over
-arrays laid out the new way. A folder per hash of every file in kvgen/engine (and of the kernels'
-code path and Numba's version) makes any change start a new cache. Every module that defines a
-cached kernel imports this one first; NUMBA_CACHE_DIR, where set, wins (Numba reads it).
+holds its callees' code (decode_step's step holds vector_matmul's matmuls and kv_io's loops):
+after a change in a callee's file the caller's cache would still run the old code, over arrays
+laid out the new way. A folder per hash of every file in kvgen/cpu (and of the kernels' code path
+and Numba's version) makes any change to a kernel start a new cache, and a change anywhere else
+in kvgen (the engine, the service) none. The package's __init__ points Numba here before any
+kernel module is imported; NUMBA_CACHE_DIR, where set, wins (Numba reads it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numba
 
 
 def cache_dir(salt: str) -> str:
-    """~/.cache/kvgen/numba-<hash of kvgen/engine's sources, salt, Numba's version>."""
+    """~/.cache/kvgen/numba-<hash of kvgen/cpu's sources, salt, Numba's version>."""
     h = hashlib.sha256(f"{numba.__version__} {salt}".encode())
     for f in sorted(Path(__file__).parent.rglob("*.py")):
         h.update(f.read_bytes())

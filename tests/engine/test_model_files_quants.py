@@ -1,7 +1,7 @@
 """GGUF's quantized weight types (F16 ... Q6_K) as the loader reads them: each within a bound of the
 F32 model's weights and logits measured on a tiny random model, bounds that a wrong layout
 (shuffled rows, q/k left permuted) fails; and our K-quant writers against gguf-py's readers.
-The models are test_loader.py's (written by gguf-py the way llama.cpp's converter writes them)."""
+The models are test_model_files.py's (written by gguf-py the way llama.cpp's converter writes them)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.engine import loader
+from kvgen.engine import model_files
 from kvgen.engine.generator import load_model
 from kvgen.engine.model import Model
-from tests.engine.test_loader import (  # noqa: F401  (fixtures)
+from tests.engine.test_model_files import (  # noqa: F401  (fixtures)
     Q,
     all_logits,
     bpe,
@@ -72,7 +72,7 @@ def test_gguf_quantized_types_dequantize(gguf_base, f32_logits, bpe, qtype):  # 
     assert types["blk.0.attn_q.weight"] == qtype and types["token_embd.weight"] == qtype
     assert types["output_norm.weight"] == Q.F32
     w_bound, logit_bound, argmax_bound = QUANT_BOUNDS[qtype]
-    _, got_w, _ = loader.load(str(path))
+    _, got_w, _ = model_files.load(str(path))
     for name, w in weights.items():
         got = got_w[name]
         assert got.shape == w.shape and got.dtype == torch.float32, name
@@ -83,7 +83,7 @@ def test_gguf_quantized_types_dequantize(gguf_base, f32_logits, bpe, qtype):  # 
     assert rel < logit_bound and agree >= argmax_bound, \
         f"{qtype.name}: logits rel err {rel:.3g}, max |diff| {worst:.3g}, argmax agreement {agree:.3f}"
     # the chunked path (prefill 10, chunk 7, decode) reads the same weights; where the weights stay
-    # in blocks (Q4_0 / Q4_1 / Q8_0), those short steps round activations to int16 (test_blocks.py)
+    # in blocks (Q4_0 / Q4_1 / Q8_0), those short steps round activations to int16 (test_weight_blocks.py)
     ids = token_sequences(cfg.vocab_size, bpe)[2]
     ours, ends = logits_at_chunk_ends(model, ids, chunkings(len(ids))[1])
     whole = all_logits(model, ids)[ends]

@@ -1,4 +1,4 @@
-"""GGUF blocks (blocks.py) and their Numba kernels (cpu_kernels.py) against gguf-py and fp32 matmuls."""
+"""GGUF weight blocks (weight_blocks.py) and their Numba kernels (vector_matmul.py) against gguf-py and fp32 matmuls."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.engine import cpu_features
-from kvgen.engine.blocks import GROUP, BlockLinear, Blocks
+from kvgen.cpu import features
+from kvgen.cpu.weight_blocks import GROUP, BlockLinear, WeightBlocks
 from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
-from tests.engine.test_loader import all_logits, bpe, chunkings, gguf_base, logits_at_chunk_ends, token_sequences  # noqa: F401  (fixtures)
+from tests.engine.test_model_files import all_logits, bpe, chunkings, gguf_base, logits_at_chunk_ends, token_sequences  # noqa: F401  (fixtures)
 from tests.tiny import write_gguf
 
 Q = gguf.GGMLQuantizationType
@@ -36,7 +36,7 @@ def quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndar
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_blocks_dequantize_as_gguf_py(qtype):
     raw, ref = quantized(qtype, 40, 96)
-    b = Blocks.from_gguf(qtype.name, raw)
+    b = WeightBlocks.from_gguf(qtype.name, raw)
     assert b.shape == (40, 96)
     assert torch.equal(b.dequantize(), torch.from_numpy(ref))
 
@@ -44,7 +44,7 @@ def test_blocks_dequantize_as_gguf_py(qtype):
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
     """What the kernels multiply the weight codes by: each row's blocks of 32 inputs rounded to
     int16 steps of (the block's largest |x|) / 32767, half to even (written from that rule, not
-    from cpu_kernels.quantize)."""
+    from vector_matmul.quantize)."""
     blocks = x.double().reshape(x.shape[0], -1, GROUP)
     step = blocks.abs().amax(-1, keepdim=True).float().double() / 32767
     return (torch.round(blocks / torch.where(step > 0, step, 1)) * step).reshape(x.shape)
@@ -54,7 +54,7 @@ def expected(qtype, raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     """x W^T of the dequantized weight as the kernels define it, in float64: d * q times the
     int16-rounded activations, plus each block's m (Q4) times the block's sum of x itself."""
     n, k = raw.shape[0], x.shape[1]
-    b = Blocks.from_gguf(qtype.name, raw)
+    b = WeightBlocks.from_gguf(qtype.name, raw)
     xr = int16_activations(x)
     if b.kind == "q8":
         return xr @ (b.qs.double() * b.d.double()[..., None]).reshape(n, k).T
@@ -73,7 +73,7 @@ def test_kernels_multiply_int16_activations_exactly(qtype, rows):
     raw, ref = quantized(qtype, 72, 160, seed=rows)
     x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(72)
-    got = BlockLinear(Blocks.from_gguf(qtype.name, raw), bias)(x)
+    got = BlockLinear(WeightBlocks.from_gguf(qtype.name, raw), bias)(x)
     assert got.shape == (rows, 72) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), expected(qtype, raw, x) + bias.double(), rtol=1e-5, atol=3e-5)
     bound = (x - int16_activations(x).float()).abs() @ torch.from_numpy(ref).abs().T  # sum |dx| |w|
@@ -86,31 +86,31 @@ PATHS = {"amx": ("+amx-int8", (True, True, True, False)), "avx512": ("+avx512vnn
 
 @pytest.mark.parametrize("path", PATHS)
 def test_every_kernel_path_gives_the_same_bits(path):
-    """With AMX-INT8 a call of 16 rows or more runs on tiles (amx_kernels.py), with AVX512-VNNI
+    """With AMX-INT8 a call of 16 rows or more runs on tiles (amx_matmul.py), with AVX512-VNNI
     the kernels call vpdpwssd, with AVX-512 the 512-bit pmaddwd, with AVX2 the 256-bit one,
     elsewhere LLVM lowers a portable multiply-add. All sum the same integers and scale them by
     the same float operations: a build for this CPU without the feature (NUMBA_CPU_FEATURES, in a
     process with a cache of its own) gives bit-identical outputs, at 1 row, at 9 (two calls of 4
     rows and one of 1) and at 40 (tiles where there are)."""
     drop, flags = PATHS[path]
-    if drop not in cpu_features.FEATURES.split(","):
+    if drop not in features.FEATURES.split(","):
         pytest.skip(f"this CPU has no {drop[1:]}: the {path} path is what runs here")
     code = (
-        "import numpy as np, sys, torch; from kvgen.engine import cpu_features; "
-        "from kvgen.engine.blocks import BlockLinear, Blocks; "
-        "from tests.engine.test_blocks import TYPES, quantized; "
-        f"assert (cpu_features.PMADDWD, cpu_features.WIDE, cpu_features.VNNI, cpu_features.AMX) == {flags}; "
+        "import numpy as np, sys, torch; from kvgen.cpu import features; "
+        "from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks; "
+        "from tests.cpu.test_weight_blocks import TYPES, quantized; "
+        f"assert (features.PMADDWD, features.WIDE, features.VNNI, features.AMX) == {flags}; "
         "x = torch.randn(40, 160, generator=torch.Generator().manual_seed(9)); "
-        "out = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
+        "out = [BlockLinear(WeightBlocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
         "for q in TYPES for r in (1, 9, 40)]; torch.save(out, sys.argv[1])")
     with tempfile.TemporaryDirectory() as d:
-        features = cpu_features.FEATURES.replace(drop, "-" + drop[1:])
-        env = dict(os.environ, NUMBA_CPU_FEATURES=features, NUMBA_CACHE_DIR=d)
+        isa = features.FEATURES.replace(drop, "-" + drop[1:])
+        env = dict(os.environ, NUMBA_CPU_FEATURES=isa, NUMBA_CACHE_DIR=d)
         subprocess.run([sys.executable, "-c", code, f"{d}/out.pt"], env=env, check=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[2])
         other = torch.load(f"{d}/out.pt")
     x = torch.randn(40, 160, generator=torch.Generator().manual_seed(9))
-    native = [BlockLinear(Blocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r])
+    native = [BlockLinear(WeightBlocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r])
               for q in TYPES for r in (1, 9, 40)]
     for a, b in zip(native, other, strict=True):
         assert torch.equal(a, b)
@@ -121,7 +121,7 @@ def test_a_row_does_not_depend_on_its_neighbours(qtype):
     """A row's output is bit-identical whatever the other rows and however many there are (a
     prompt's K/V and logits do not depend on how it is cut in chunks)."""
     raw, _ = quantized(qtype, 96, 576)
-    lin = BlockLinear(Blocks.from_gguf(qtype.name, raw), None)
+    lin = BlockLinear(WeightBlocks.from_gguf(qtype.name, raw), None)
     x = torch.randn(70, 576, generator=torch.Generator().manual_seed(3))
     together = lin(x)
     for i in range(len(x) - 1):
@@ -132,13 +132,13 @@ def test_a_row_does_not_depend_on_its_neighbours(qtype):
 def test_rows_rearrange_and_fuse_like_the_fp32_weights():
     """map_rows / cat (the model's q/k interleave and q|k|v fusion) move blocks with their rows."""
     parts = [quantized(Q.Q4_1, n, 64, seed=n) for n in (32, 16, 16)]
-    blocks = [Blocks.from_gguf("Q4_1", raw) for raw, _ in parts]
-    fused = Blocks.cat([blocks[0].map_rows(lambda t: interleave(t, 4)), blocks[1], blocks[2]])
+    blocks = [WeightBlocks.from_gguf("Q4_1", raw) for raw, _ in parts]
+    fused = WeightBlocks.cat([blocks[0].map_rows(lambda t: interleave(t, 4)), blocks[1], blocks[2]])
     want = torch.cat([interleave(torch.from_numpy(parts[0][1]), 4), torch.from_numpy(parts[1][1]),
                       torch.from_numpy(parts[2][1])])
     assert torch.equal(fused.dequantize(), want)
     with pytest.raises(ValueError, match="kinds"):
-        Blocks.cat([blocks[0], Blocks.from_gguf("Q8_0", quantized(Q.Q8_0, 32, 64)[0])])
+        WeightBlocks.cat([blocks[0], WeightBlocks.from_gguf("Q8_0", quantized(Q.Q8_0, 32, 64)[0])])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -154,7 +154,7 @@ def test_gguf_weights_compute_the_files_fp32_model(gguf_base, bpe, tmp_path, qty
     assert blocks_model.weight_dtype == "gguf" and fp32_model.weight_dtype == "fp32"
     assert isinstance(blocks_model.layers[0].qkv, BlockLinear) and isinstance(blocks_model.lm_head, BlockLinear)
     # GetModelInfo.cpu_kernels: the blocks' code path on this CPU; none for fp32 weights
-    assert kernel_path(blocks_model) == cpu_features.path() != "" and kernel_path(fp32_model) == ""
+    assert kernel_path(blocks_model) == features.path() != "" and kernel_path(fp32_model) == ""
     for ids in token_sequences(cfg.vocab_size, bpe)[1:]:
         whole = all_logits(blocks_model, ids), all_logits(fp32_model, ids)
         decode = chunkings(len(ids))[1]  # prefill 10, a chunk of 7, then one-row steps (the kernels)
@@ -174,14 +174,14 @@ def test_weight_dtype_auto_and_gguf_choice(gguf_base):  # noqa: F811
 
 
 def test_q8_blocks_from_float_are_llama_cpps_q8_0():
-    """Blocks.q8_from_float (the EAGLE head's matrices over gguf weights) makes gguf-py's Q8_0
+    """WeightBlocks.q8_from_float (the EAGLE head's matrices over gguf weights) makes gguf-py's Q8_0
     codes (off by one at most where a product lands on a rounding tie: llama.cpp multiplies by
     1 / d), every value within half a step of its block, and a zero block stays zero."""
     x = np.random.default_rng(3).standard_normal((8, 128)).astype(np.float32)
     x[1, :32] = 0.0
     x[2, 5] = 40.0  # an outlier block
-    ours = Blocks.q8_from_float(torch.from_numpy(x))
-    theirs = Blocks.from_gguf("Q8_0", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
+    ours = WeightBlocks.q8_from_float(torch.from_numpy(x))
+    theirs = WeightBlocks.from_gguf("Q8_0", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
     diff = (ours.qs.int() - theirs.qs.int()).abs()
     assert diff.max() <= 1 and (diff == 0).float().mean() > 0.99
     assert ((ours.dequantize() - torch.from_numpy(x)).abs() <= ours.d.repeat_interleave(32, 1) / 2 + 1e-6).all()

@@ -11,8 +11,8 @@ from aiohttp import web
 
 from kvgen.engine.generator import INLINE_TOKENIZE_CHARS, Generator
 from kvgen.errors import InvalidRequest
-from kvgen.service.config import Settings
 from kvgen.service.http.routes import read_json
+from kvgen.service.settings import Settings
 
 
 class TokenizerRoutes:

@@ -1,4 +1,4 @@
-"""The kernels of FusedDecode's attention over plain fp32 KV (plain_attention.py): a score with a
+"""The kernels of FusedDecode's attention over plain fp32 KV (paged_attention.py): a score with a
 lane per key.
 
 A score is a dot product over head_dim. With a lane per dimension (the obvious vectorization of
@@ -22,10 +22,10 @@ on a 512-token prompt chunk that, not the multiplies, made the attention 43% of 
 - values adds weight x value rows into the sums of up to MAX_HEADS heads, key after key, a lane
   per dimension (no horizontal sum there): each value row is loaded once for the heads.
 
-The operations are LLVM IR (Numba has no vector types), as cpu_kernels.py's block matmuls are.
+The operations are LLVM IR (Numba has no vector types), as vector_matmul.py's block matmuls are.
 A multiply-add is one fused `llvm.fma` where the CPU has FMA, else a multiply and an add: never
 `fmuladd`, which leaves the choice to each compilation. Their callers are compiled without
-fastmath, whose flags Numba would put on these additions too (plain_attention.py).
+fastmath, whose flags Numba would put on these additions too (paged_attention.py).
 """
 
 from __future__ import annotations
@@ -37,38 +37,17 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.engine import cpu_kernels
-from kvgen.engine.cpu_kernels import (
-    _FLOATS,
-    _I32,
-    FEATURES,
-    LANES,
-    _arguments,
-    _broadcast,
-    _int,
-    _lanes,
-    _splat,
-    _sum,
-)
+from kvgen.cpu import vector_matmul
+from kvgen.cpu.llvm_ir import FLOATS, I32, LANES, add_all, arguments, broadcast, fma, i64, splat, vector
 
 TILE = 16  # keys a scores call computes; a KV block must hold a whole number of them
 VECS = TILE // LANES  # vectors a tile of keys fills
 MAX_HEADS = 4  # heads one values call serves (more: several calls, the same arithmetic per head)
-FMA = "+fma" in FEATURES.split(",")
 
-
-def _madd(builder, a, b, c):
-    """a b + c (floats, or vectors of them), rounded once where the CPU has FMA."""
-    if not FMA:
-        return builder.fadd(builder.fmul(a, b), c)
-    ty = a.type
-    suffix = f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
-    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.{suffix}")
-    return builder.call(fn, [a, b, c])
 
 
 def _vec(builder, ptr):
-    return builder.bitcast(ptr, _FLOATS.as_pointer())
+    return builder.bitcast(ptr, FLOATS.as_pointer())
 
 
 def _transpose(builder, rows):
@@ -83,8 +62,8 @@ def _transpose(builder, rows):
                 continue
             lo = [j if not j & b else LANES + j - b for j in range(LANES)]
             hi = [j + b if not j & b else LANES + j for j in range(LANES)]
-            out[i] = builder.shuffle_vector(rows[i], rows[i + b], _lanes(_I32, lo))
-            out[i + b] = builder.shuffle_vector(rows[i], rows[i + b], _lanes(_I32, hi))
+            out[i] = builder.shuffle_vector(rows[i], rows[i + b], vector(I32, lo))
+            out[i + b] = builder.shuffle_vector(rows[i], rows[i + b], vector(I32, hi))
         rows = out
     return rows
 
@@ -96,16 +75,16 @@ def _transpose_tile(typingctx, src, sbase, sstride, hd, dst, dbase, dstride):
     sig = types.void(src, sbase, sstride, hd, dst, dbase, dstride)
 
     def codegen(context, builder, signature, args):
-        a = _arguments(context, builder, signature, args, names)
-        at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
-        with cgutils.for_range(builder, builder.udiv(a["hd"], _int(LANES))) as loop:
-            d0 = builder.mul(loop.index, _int(LANES))
+        a = arguments(context, builder, signature, args, names)
+        at = lambda ptr, *terms: builder.gep(ptr, [add_all(builder, terms)])  # noqa: E731
+        with cgutils.for_range(builder, builder.udiv(a["hd"], i64(LANES))) as loop:
+            d0 = builder.mul(loop.index, i64(LANES))
             for v in range(VECS):
                 rows = [builder.load(_vec(builder, at(a["src"], a["sbase"], d0,
-                                                      builder.mul(a["sstride"], _int(v * LANES + t)))), align=4)
+                                                      builder.mul(a["sstride"], i64(v * LANES + t)))), align=4)
                         for t in range(LANES)]
                 for i, col in enumerate(_transpose(builder, rows)):
-                    out = at(a["dst"], a["dbase"], builder.mul(builder.add(d0, _int(i)), a["dstride"]), _int(v * LANES))
+                    out = at(a["dst"], a["dbase"], builder.mul(builder.add(d0, i64(i)), a["dstride"]), i64(v * LANES))
                     builder.store(col, _vec(builder, out), align=4)
         return context.get_dummy_value()
 
@@ -136,13 +115,13 @@ def _tree_across(builder, vecs):
                 seg, m = j - j % (2 * b), j % (2 * b)
                 lo.append(seg + m if m < b else LANES + seg + m - b)
                 hi.append(seg + m + b if m < b else LANES + seg + m)
-            x = builder.shuffle_vector(vecs[t], vecs[t + b], _lanes(_I32, lo))
-            y = builder.shuffle_vector(vecs[t], vecs[t + b], _lanes(_I32, hi))
+            x = builder.shuffle_vector(vecs[t], vecs[t + b], vector(I32, lo))
+            y = builder.shuffle_vector(vecs[t], vecs[t + b], vector(I32, hi))
             out.append(builder.fadd(x, y))
             out_keys.append([keys[t][i] if i < LANES else keys[t + b][i - LANES] for i in lo])
         vecs, keys, b = out, out_keys, b // 2
     order = [keys[0].index(t) for t in range(LANES)]
-    return builder.shuffle_vector(vecs[0], vecs[0], _lanes(_I32, order))
+    return builder.shuffle_vector(vecs[0], vecs[0], vector(I32, order))
 
 
 def _scores(transposed: bool):
@@ -161,35 +140,35 @@ def _scores(transposed: bool):
         sig = types.void(k, kbase, kstride, q, qbase, hd, scale, out, obase)
 
         def codegen(context, builder, signature, args):
-            a = _arguments(context, builder, signature, args, names)
-            at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
+            a = arguments(context, builder, signature, args, names)
+            at = lambda ptr, *terms: builder.gep(ptr, [add_all(builder, terms)])  # noqa: E731
             # chains[v][l]: chain l of the keys of vector v (transposed), or the chains of key
             # v LANES + l (rows); zeros to start: fma(x, y, 0) rounds x y once, as a multiply would
-            chains = [[cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(LANES)]
+            chains = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS, None)) for _ in range(LANES)]
                       for _ in range(VECS)]
-            with cgutils.for_range(builder, builder.udiv(a["hd"], _int(LANES))) as loop:
-                d0 = builder.mul(loop.index, _int(LANES))
+            with cgutils.for_range(builder, builder.udiv(a["hd"], i64(LANES))) as loop:
+                d0 = builder.mul(loop.index, i64(LANES))
                 if transposed:
                     for lane in range(LANES):
-                        d = builder.add(d0, _int(lane))
-                        ql = _splat(builder, at(a["q"], a["qbase"], d))
+                        d = builder.add(d0, i64(lane))
+                        ql = splat(builder, at(a["q"], a["qbase"], d))
                         for v in range(VECS):
-                            kd = at(a["k"], a["kbase"], builder.mul(d, a["kstride"]), _int(v * LANES))
+                            kd = at(a["k"], a["kbase"], builder.mul(d, a["kstride"]), i64(v * LANES))
                             chain = chains[v][lane]
-                            builder.store(_madd(builder, ql, builder.load(_vec(builder, kd), align=4),
+                            builder.store(fma(builder, ql, builder.load(_vec(builder, kd), align=4),
                                                 builder.load(chain)), chain)
                 else:
                     qv = builder.load(_vec(builder, at(a["q"], a["qbase"], d0)), align=4)
                     for v in range(VECS):
                         for t in range(LANES):
-                            kt = at(a["k"], a["kbase"], builder.mul(a["kstride"], _int(v * LANES + t)), d0)
+                            kt = at(a["k"], a["kbase"], builder.mul(a["kstride"], i64(v * LANES + t)), d0)
                             chain = chains[v][t]
-                            builder.store(_madd(builder, qv, builder.load(_vec(builder, kt), align=4),
+                            builder.store(fma(builder, qv, builder.load(_vec(builder, kt), align=4),
                                                 builder.load(chain)), chain)
-            s = _broadcast(builder, a["scale"])
+            s = broadcast(builder, a["scale"])
             for v in range(VECS):
                 total = (_tree if transposed else _tree_across)(builder, [builder.load(c) for c in chains[v]])
-                builder.store(builder.fmul(total, s), _vec(builder, at(a["out"], a["obase"], _int(v * LANES))), align=4)
+                builder.store(builder.fmul(total, s), _vec(builder, at(a["out"], a["obase"], i64(v * LANES))), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -212,21 +191,21 @@ def _scores_heads(heads: int):
         sig = types.void(k, kbase, kstride, q, qbase, hd, scale, out, obase, ostride)
 
         def codegen(context, builder, signature, args):
-            a = _arguments(context, builder, signature, args, names)
-            at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
-            steps = builder.udiv(a["hd"], _int(LANES))
+            a = arguments(context, builder, signature, args, names)
+            at = lambda ptr, *terms: builder.gep(ptr, [add_all(builder, terms)])  # noqa: E731
+            steps = builder.udiv(a["hd"], i64(LANES))
 
             def chains(lanes, v):  # {(lane, head): chain} over dimensions c LANES + lane, in order of c
-                acc = {(lane, g): cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None))
+                acc = {(lane, g): cgutils.alloca_once_value(builder, ir.Constant(FLOATS, None))
                        for lane in lanes for g in range(heads)}
                 with cgutils.for_range(builder, steps) as loop:
                     for lane in lanes:
-                        d = builder.add(builder.mul(loop.index, _int(LANES)), _int(lane))
+                        d = builder.add(builder.mul(loop.index, i64(LANES)), i64(lane))
                         kd = builder.load(_vec(builder, at(a["k"], a["kbase"], builder.mul(d, a["kstride"]),
-                                                          _int(v * LANES))), align=4)
+                                                          i64(v * LANES))), align=4)
                         for g in range(heads):
-                            qg = _splat(builder, at(a["q"], a["qbase"], builder.mul(a["hd"], _int(g)), d))
-                            builder.store(_madd(builder, qg, kd, builder.load(acc[lane, g])), acc[lane, g])
+                            qg = splat(builder, at(a["q"], a["qbase"], builder.mul(a["hd"], i64(g)), d))
+                            builder.store(fma(builder, qg, kd, builder.load(acc[lane, g])), acc[lane, g])
                 return {key: builder.load(ptr) for key, ptr in acc.items()}
 
             def node(i, level, v):  # _tree's level-`level` partial sum i, for every head
@@ -236,10 +215,10 @@ def _scores_heads(heads: int):
                 left, right = node(i, level - 1, v), node(i + (LANES >> level), level - 1, v)
                 return [builder.fadd(x, y) for x, y in zip(left, right, strict=True)]
 
-            s = _broadcast(builder, a["scale"])
+            s = broadcast(builder, a["scale"])
             for v in range(VECS):
                 for g, total in enumerate(node(0, int(math.log2(LANES)), v)):
-                    dest = at(a["out"], a["obase"], builder.mul(a["ostride"], _int(g)), _int(v * LANES))
+                    dest = at(a["out"], a["obase"], builder.mul(a["ostride"], i64(g)), i64(v * LANES))
                     builder.store(builder.fmul(total, s), _vec(builder, dest), align=4)
             return context.get_dummy_value()
 
@@ -259,36 +238,36 @@ def _values(heads: int):
         sig = types.void(v, vbase, vstride, n, w, wbase, wstride, hd, acc, abase)
 
         def codegen(context, builder, signature, args):
-            a = _arguments(context, builder, signature, args, names)
-            at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
+            a = arguments(context, builder, signature, args, names)
+            at = lambda ptr, *terms: builder.gep(ptr, [add_all(builder, terms)])  # noqa: E731
 
             def run(start, count, unroll):  # `count` runs of `unroll` vectors of dimensions from start
-                sums = [[cgutils.alloca_once(builder, _FLOATS) for _ in range(unroll)] for _ in range(heads)]
+                sums = [[cgutils.alloca_once(builder, FLOATS) for _ in range(unroll)] for _ in range(heads)]
                 with cgutils.for_range(builder, count) as chunk:
-                    d0 = builder.add(start, builder.mul(chunk.index, _int(unroll * LANES)))
-                    dest = [[_vec(builder, at(a["acc"], a["abase"], builder.mul(a["hd"], _int(g)), d0,
-                                              _int(u * LANES))) for u in range(unroll)] for g in range(heads)]
+                    d0 = builder.add(start, builder.mul(chunk.index, i64(unroll * LANES)))
+                    dest = [[_vec(builder, at(a["acc"], a["abase"], builder.mul(a["hd"], i64(g)), d0,
+                                              i64(u * LANES))) for u in range(unroll)] for g in range(heads)]
                     for g in range(heads):
                         for u in range(unroll):
                             builder.store(builder.load(dest[g][u], align=4), sums[g][u])
                     with cgutils.for_range(builder, a["n"]) as key:
                         t = key.index
                         row = [builder.load(_vec(builder, at(a["v"], a["vbase"], builder.mul(t, a["vstride"]), d0,
-                                                             _int(u * LANES))), align=4) for u in range(unroll)]
+                                                             i64(u * LANES))), align=4) for u in range(unroll)]
                         for g in range(heads):
-                            w_at = at(a["w"], a["wbase"], builder.mul(a["wstride"], _int(g)), t)
-                            wt = _splat(builder, w_at)
+                            w_at = at(a["w"], a["wbase"], builder.mul(a["wstride"], i64(g)), t)
+                            wt = splat(builder, w_at)
                             for u in range(unroll):
-                                builder.store(_madd(builder, wt, row[u], builder.load(sums[g][u])), sums[g][u])
+                                builder.store(fma(builder, wt, row[u], builder.load(sums[g][u])), sums[g][u])
                     for g in range(heads):
                         for u in range(unroll):
                             builder.store(builder.load(sums[g][u]), dest[g][u], align=4)
 
             unroll = max(1, min(4, 12 // heads))
-            whole = builder.udiv(a["hd"], _int(unroll * LANES))
-            run(_int(0), whole, unroll)
-            done = builder.mul(whole, _int(unroll * LANES))
-            run(done, builder.udiv(builder.sub(a["hd"], done), _int(LANES)), 1)
+            whole = builder.udiv(a["hd"], i64(unroll * LANES))
+            run(i64(0), whole, unroll)
+            done = builder.mul(whole, i64(unroll * LANES))
+            run(done, builder.udiv(builder.sub(a["hd"], done), i64(LANES)), 1)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -331,7 +310,7 @@ def transpose_blocks(kv, layer, blocks, kt):  # pragma: no cover - compiled
     n = blocks.shape[0] * kv_heads
     kf, ktf = kv.reshape(-1), kt.reshape(-1)
     per_block, per_layer = kv[0].size, kv[0, 0].size
-    parts = min(n, cpu_kernels.PARTS)
+    parts = min(n, vector_matmul.PARTS)
     for part in prange(parts):
         for i in range(part * n // parts, (part + 1) * n // parts):
             b, kh = i // kv_heads, i % kv_heads

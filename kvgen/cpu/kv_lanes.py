@@ -1,4 +1,4 @@
-"""The dequantizing kernels of fused_kv.load: a block's fp8 or q4 rows of one KV head to float32,
+"""The dequantizing kernels of kv_io.load: a block's fp8 or q4 rows of one KV head to float32,
 a vector of LANES dimensions at a time.
 
 Numba does arithmetic on small integers as int64 and checks the sign of computed indices, so the
@@ -18,13 +18,13 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.engine.cpu_kernels import _FLOATS, _I8, _I16, _I32, _INTS, LANES, _arguments, _broadcast, _int, _lanes, _sum
+from kvgen.cpu.llvm_ir import FLOATS, I8, I16, I32, INTS, LANES, add_all, arguments, broadcast, i64, vector
 
 _SMALL = 2.0 ** -6  # E4M3's smallest normal: what an exponent-0 code is placed above
 
 
 def _splat_int(n):
-    return _lanes(_I32, [n] * LANES)
+    return vector(I32, [n] * LANES)
 
 
 def _fp8(builder, x, s):
@@ -36,8 +36,8 @@ def _fp8(builder, x, s):
     so -0 stays -0."""
     small = builder.icmp_unsigned("==", builder.and_(x, _splat_int(0x78)), _splat_int(0))
     mag = builder.or_(builder.and_(x, _splat_int(0x7F)), builder.select(small, _splat_int(0x08), _splat_int(0)))
-    f = builder.bitcast(builder.add(builder.shl(mag, _splat_int(20)), _splat_int(120 << 23)), _FLOATS)
-    zero, lift = ir.Constant(_FLOATS, [0.0] * LANES), ir.Constant(_FLOATS, [_SMALL] * LANES)
+    f = builder.bitcast(builder.add(builder.shl(mag, _splat_int(20)), _splat_int(120 << 23)), FLOATS)
+    zero, lift = ir.Constant(FLOATS, [0.0] * LANES), ir.Constant(FLOATS, [_SMALL] * LANES)
     f = builder.fsub(f, builder.select(small, lift, zero))
     negative = builder.icmp_unsigned("!=", builder.and_(x, _splat_int(0x80)), _splat_int(0))
     return builder.fmul(f, builder.select(negative, builder.fneg(s), s))
@@ -53,20 +53,20 @@ def _f16(builder, x):
     top = builder.icmp_unsigned("==", exponent, _splat_int(31))
     moved = builder.shl(builder.or_(mag, builder.select(small, _splat_int(0x400), _splat_int(0))), _splat_int(13))
     bits = builder.select(top, builder.or_(moved, _splat_int(0x7F800000)), builder.add(moved, _splat_int(112 << 23)))
-    f = builder.bitcast(bits, _FLOATS)
-    zero, lift = ir.Constant(_FLOATS, [0.0] * LANES), ir.Constant(_FLOATS, [2.0 ** -14] * LANES)
-    f = builder.bitcast(builder.fsub(f, builder.select(small, lift, zero)), _INTS)
-    return builder.bitcast(builder.or_(f, builder.shl(builder.and_(x, _splat_int(0x8000)), _splat_int(16))), _FLOATS)
+    f = builder.bitcast(bits, FLOATS)
+    zero, lift = ir.Constant(FLOATS, [0.0] * LANES), ir.Constant(FLOATS, [2.0 ** -14] * LANES)
+    f = builder.bitcast(builder.fsub(f, builder.select(small, lift, zero)), INTS)
+    return builder.bitcast(builder.or_(f, builder.shl(builder.and_(x, _splat_int(0x8000)), _splat_int(16))), FLOATS)
 
 
 def _nibbles(builder, ptr):
     """LANES / 2 bytes at ptr -> <LANES x float> of their codes less 8, low nibble first."""
-    half = ir.VectorType(_I8, LANES // 2)
-    x = builder.zext(builder.load(builder.bitcast(ptr, half.as_pointer()), align=1), ir.VectorType(_I32, LANES // 2))
-    lo = builder.and_(x, _lanes(_I32, [15] * (LANES // 2)))
-    hi = builder.lshr(x, _lanes(_I32, [4] * (LANES // 2)))
-    both = builder.shuffle_vector(lo, hi, _lanes(_I32, [j // 2 + (j % 2) * (LANES // 2) for j in range(LANES)]))
-    return builder.sitofp(builder.sub(both, _splat_int(8)), _FLOATS)
+    half = ir.VectorType(I8, LANES // 2)
+    x = builder.zext(builder.load(builder.bitcast(ptr, half.as_pointer()), align=1), ir.VectorType(I32, LANES // 2))
+    lo = builder.and_(x, vector(I32, [15] * (LANES // 2)))
+    hi = builder.lshr(x, vector(I32, [4] * (LANES // 2)))
+    both = builder.shuffle_vector(lo, hi, vector(I32, [j // 2 + (j % 2) * (LANES // 2) for j in range(LANES)]))
+    return builder.sitofp(builder.sub(both, _splat_int(8)), FLOATS)
 
 
 def _rows(kind: str):
@@ -82,26 +82,26 @@ def _rows(kind: str):
         sig = types.void(src, sbase, sstride, n, hd, sc, scbase, scstride, group, dst)
 
         def codegen(context, builder, signature, args):
-            a = _arguments(context, builder, signature, args, names)
-            at = lambda ptr, *terms: builder.gep(ptr, [_sum(builder, terms)])  # noqa: E731
-            vec = lambda ptr, ty=_FLOATS: builder.bitcast(ptr, ty.as_pointer())  # noqa: E731
-            s = _broadcast(builder, builder.load(at(a["sc"], a["scbase"]))) if kind == "fp8" else None
+            a = arguments(context, builder, signature, args, names)
+            at = lambda ptr, *terms: builder.gep(ptr, [add_all(builder, terms)])  # noqa: E731
+            vec = lambda ptr, ty=FLOATS: builder.bitcast(ptr, ty.as_pointer())  # noqa: E731
+            s = broadcast(builder, builder.load(at(a["sc"], a["scbase"]))) if kind == "fp8" else None
             with cgutils.for_range(builder, a["n"]) as row:
                 t = row.index
-                with cgutils.for_range(builder, builder.udiv(a["hd"], _int(LANES))) as step:
-                    d0 = builder.mul(step.index, _int(LANES))
+                with cgutils.for_range(builder, builder.udiv(a["hd"], i64(LANES))) as step:
+                    d0 = builder.mul(step.index, i64(LANES))
                     if kind == "fp8":
                         ptr = at(a["src"], a["sbase"], builder.mul(t, a["sstride"]), d0)
-                        codes = builder.load(vec(ptr, ir.VectorType(_I8, LANES)), align=1)
-                        value = _fp8(builder, builder.zext(codes, _INTS), s)
+                        codes = builder.load(vec(ptr, ir.VectorType(I8, LANES)), align=1)
+                        value = _fp8(builder, builder.zext(codes, INTS), s)
                     else:
-                        ptr = at(a["src"], a["sbase"], builder.mul(t, a["sstride"]), builder.udiv(d0, _int(2)))
+                        ptr = at(a["src"], a["sbase"], builder.mul(t, a["sstride"]), builder.udiv(d0, i64(2)))
                         if kind == "q4k":
-                            bits = builder.load(vec(at(a["sc"], a["scbase"], d0), ir.VectorType(_I16, LANES)), align=2)
-                            bits = builder.zext(bits, _INTS)
+                            bits = builder.load(vec(at(a["sc"], a["scbase"], d0), ir.VectorType(I16, LANES)), align=2)
+                            bits = builder.zext(bits, INTS)
                         else:
                             g = at(a["sc"], a["scbase"], builder.mul(t, a["scstride"]), builder.udiv(d0, a["group"]))
-                            bits = _broadcast(builder, builder.zext(builder.load(g), _I32), _INTS)
+                            bits = broadcast(builder, builder.zext(builder.load(g), I32), INTS)
                         value = builder.fmul(_nibbles(builder, ptr), _f16(builder, bits))
                     builder.store(value, vec(at(a["dst"], builder.mul(t, a["hd"]), d0)), align=4)
             return context.get_dummy_value()

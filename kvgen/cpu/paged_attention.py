@@ -1,6 +1,6 @@
 """FusedDecode's attention: a step's rows, each over its own cached positions, in the plain fp32
 cache's rows or in a quantized format's (fp8, q4) blocks, each dequantized a KV head at a time
-into a tile that stays in L1 for the task's query heads and rows (fused_kv.load). Both take the
+into a tile that stays in L1 for the task's query heads and rows (kv_io.load). Both take the
 same tasks: at 1k tokens of context the quantized formats' own split scheme, a block's scores a
 query head at a time, had fp8 at 0.78x and q4 at 0.65x of fp32's decode on a Sapphire Rapids;
 these tasks, with kv_lanes.py's dequantizing, 1.02x and 0.93x (bench/results/kv.md).
@@ -24,7 +24,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kvgen.engine import cpu_kernels, exp_kernels, fused_kv, key_lanes
+from kvgen.cpu import key_lanes, kv_io, vector_exp, vector_matmul
 
 # Keys per attention task: a row's keys go in runs of SPLIT (a multiple of key_lanes.TILE), whose
 # partial softmaxes are merged in order. Fixed, not cut to the batch: a row's sums are then the
@@ -33,7 +33,7 @@ SPLIT = 256
 # Fewer (key, query head) pairs than this in a step are attended on the calling thread alone.
 SERIAL_BELOW = 1024
 # From this many (row, run of keys, KV head) triples in a step, a task holds a KV head's whole group.
-GROUP_TASKS_FROM = 4 * cpu_kernels.PARTS
+GROUP_TASKS_FROM = 4 * vector_matmul.PARTS
 
 
 @njit(cache=True, nogil=True)
@@ -83,7 +83,7 @@ def plan(positions, kv_heads, group, head_dim, quantized=False):  # pragma: no c
         for i in range(first[r], first[r + 1]):
             task_row[i] = r
             keys[i + 1] = keys[i] + min(SPLIT, positions[r] + 1 - (i - first[r]) // wide * SPLIT)
-    parts = min(tasks, cpu_kernels.PARTS) if keys[tasks] * group >= SERIAL_BELOW else 1
+    parts = min(tasks, vector_matmul.PARTS) if keys[tasks] * group >= SERIAL_BELOW else 1
     cuts = np.empty(parts + 1, np.int64)
     for part in range(parts):
         cuts[part] = np.searchsorted(keys, keys[tasks] * part // parts)
@@ -150,18 +150,18 @@ def _run(lo, hi, q, kv, c, layer, tables, positions, heads, kv_heads, head_dim, 
     """attend's tasks lo .. hi - 1 (no fastmath, as attend), a bundle at a time: a task's
     arithmetic is the same whichever bundle holds it (a score is one call's, the values are added
     in order of key however the calls cut them). Keys and values come from kv's rows, or where c
-    is a quantized format's (fused_kv.py) from a tile a block's rows are dequantized into, once
+    is a quantized format's (kv_io.py) from a tile a block's rows are dequantized into, once
     for the bundle's rows and the task's heads."""
     group = heads // kv_heads
     block, hd = kv.shape[3], head_dim
     scale = np.float32(1.0 / math.sqrt(head_dim))
     transposed = kt.shape[0] > 0
-    # the Cache tuple's members fused_kv.load reads, taken out once (fused_kv.py says why)
-    kind, codes, block_scale, kscale, vscale = (c[fused_kv.KIND], c[fused_kv.CODES], c[fused_kv.SCALE],
-                                                c[fused_kv.KSCALE], c[fused_kv.VSCALE])
-    q4_group, exact, recent, sink, sink_slot = (c[fused_kv.GROUP], c[fused_kv.ROWS], c[fused_kv.RECENT],
-                                                c[fused_kv.SINK], c[fused_kv.FIRST])
-    quantized = kind != fused_kv.PLAIN
+    # the Cache tuple's members kv_io.load reads, taken out once (kv_io.py says why)
+    kind, codes, block_scale, kscale, vscale = (c[kv_io.KIND], c[kv_io.CODES], c[kv_io.SCALE],
+                                                c[kv_io.KSCALE], c[kv_io.VSCALE])
+    q4_group, exact, recent, sink, sink_slot = (c[kv_io.GROUP], c[kv_io.ROWS], c[kv_io.RECENT],
+                                                c[kv_io.SINK], c[kv_io.FIRST])
+    quantized = kind != kv_io.PLAIN
     part_acc, part_top, part_sum = partial
     per = part_acc.shape[1]  # heads a task
     kvf, ktf, qf, accf = kv.reshape(-1), kt.reshape(-1), q.reshape(-1), part_acc.reshape(-1)
@@ -187,7 +187,7 @@ def _run(lo, hi, q, kv, c, layer, tables, positions, heads, kv_heads, head_dim, 
             src, at, stride = kvf, b * per_block + layer * per_layer + off * per_key + kh * hd, per_key
             if quantized:
                 if t == 0 or off == 0:  # the block's keys the bundle reads
-                    fused_kv.load(kind, codes, block_scale, kscale, vscale, q4_group, exact, recent, sink,
+                    kv_io.load(kind, codes, block_scale, kscale, vscale, q4_group, exact, recent, sink,
                                   sink_slot, layer, 0, b, kh, min(block, off + most - t), tile)
                 src, at, stride = tf, off * hd, hd
             for m in range(n):
@@ -211,9 +211,9 @@ def _run(lo, hi, q, kv, c, layer, tables, positions, heads, kv_heads, head_dim, 
             tm, n_keys = members[m], min(SPLIT, positions[r + m] + 1 - p0)
             done[tm - lo] = True
             for g in range(per):
-                top = exp_kernels.largest(scores[m, g], n_keys)
+                top = vector_exp.largest(scores[m, g], n_keys)
                 part_top[tm, g] = top
-                part_sum[tm, g] = exp_kernels.exp_shifted(scores[m, g], n_keys, top)
+                part_sum[tm, g] = vector_exp.exp_shifted(scores[m, g], n_keys, top)
             part_acc[tm] = 0
         t = 0
         while t < most:  # the values, a block's run at a time, for the bundle's rows
@@ -221,7 +221,7 @@ def _run(lo, hi, q, kv, c, layer, tables, positions, heads, kv_heads, head_dim, 
             run_len = min(block - off, most - t)
             src, at, stride = kvf, b * per_block + layer * per_layer + per_layer // 2 + off * per_key + kh * hd, per_key
             if quantized:
-                fused_kv.load(kind, codes, block_scale, kscale, vscale, q4_group, exact, recent, sink, sink_slot,
+                kv_io.load(kind, codes, block_scale, kscale, vscale, q4_group, exact, recent, sink, sink_slot,
                               layer, 1, b, kh, off + run_len, tile)
                 src, at, stride = tf, off * hd, hd
             for m in range(n):

@@ -1,5 +1,5 @@
 """Kernels built on exp, in LLVM IR for the CPU: softmax's numerators (exp_shifted, with the
-scores' max from largest) for plain_attention and fused_kv, and the MLP's silu(gate) * up
+scores' max from largest) for paged_attention and kv_io, and the MLP's silu(gate) * up
 for fused_decode. Numba loops of the same polynomial did not vectorize (the softmax's wrote 2^k
 through an int32 view of the scores themselves), and math.exp is a library call per element:
 as vectors they took a 512-token prefill's softmax ~12 -> ~7 ms and its SiLU ~26 -> ~4 ms.
@@ -13,8 +13,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.engine.cpu_kernels import _FLOATS, LANES, _arguments, _broadcast, _int
-from kvgen.engine.key_lanes import _madd
+from kvgen.cpu.llvm_ir import FLOATS, LANES, arguments, broadcast, fma, i64
 
 
 def _const(ty, v):
@@ -26,41 +25,41 @@ def _const(ty, v):
 
 def _each(builder, n, body, between=None):
     """body(index, ty, load, store) for indices 0, LANES, 2 LANES ... as vectors of LANES floats
-    (ty _FLOATS), then, after between() where given, for the n % LANES left one float at a time
+    (ty FLOATS), then, after between() where given, for the n % LANES left one float at a time
     (ty float): the same operations on either, so an element's result does not depend on where
     it stands."""
     def vload(ptr):
-        return builder.load(builder.bitcast(ptr, _FLOATS.as_pointer()), align=4)
+        return builder.load(builder.bitcast(ptr, FLOATS.as_pointer()), align=4)
 
     def vstore(v, ptr):
-        builder.store(v, builder.bitcast(ptr, _FLOATS.as_pointer()), align=4)
+        builder.store(v, builder.bitcast(ptr, FLOATS.as_pointer()), align=4)
 
-    vecs = builder.udiv(n, _int(LANES))
+    vecs = builder.udiv(n, i64(LANES))
     with cgutils.for_range(builder, vecs) as loop:
-        body(builder.mul(loop.index, _int(LANES)), _FLOATS, vload, vstore)
+        body(builder.mul(loop.index, i64(LANES)), FLOATS, vload, vstore)
     if between is not None:
         between()
-    with cgutils.for_range(builder, builder.sub(n, builder.mul(vecs, _int(LANES)))) as loop:
-        body(builder.add(builder.mul(vecs, _int(LANES)), loop.index), ir.FloatType(), builder.load,
+    with cgutils.for_range(builder, builder.sub(n, builder.mul(vecs, i64(LANES)))) as loop:
+        body(builder.add(builder.mul(vecs, i64(LANES)), loop.index), ir.FloatType(), builder.load,
              lambda v, ptr: builder.store(v, ptr))
 
 
 def exp_ir(builder, x, ty):
     """exp(x) for -87 <= x <= 88 as LLVM IR on x of type ty (a float or a vector of them): Cephes'
     expf, x = k ln 2 + r (ln 2 in two parts), a degree-7 polynomial in r (relative error under
-    1e-7) times 2^k made from its bits. Each multiply-add is key_lanes._madd (one fused
+    1e-7) times 2^k made from its bits. Each multiply-add is llvm_ir.fma (one fused
     multiply-add where the CPU has FMA): a lane's result is the same whichever lane or scalar
     computes it. math.exp is a library call per element, which no loop vectorizes."""
     floor = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty]),
                                            f"llvm.floor.v{ty.count}f32" if isinstance(ty, ir.VectorType)
                                            else "llvm.floor.f32")
-    k = builder.call(floor, [_madd(builder, x, _const(ty, 1.44269504), _const(ty, 0.5))])
-    r = _madd(builder, k, _const(ty, -0.693359375), x)
-    r = _madd(builder, k, _const(ty, 2.12194440e-4), r)
+    k = builder.call(floor, [fma(builder, x, _const(ty, 1.44269504), _const(ty, 0.5))])
+    r = fma(builder, k, _const(ty, -0.693359375), x)
+    r = fma(builder, k, _const(ty, 2.12194440e-4), r)
     y = _const(ty, 1.9875691500e-4)
     for c in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
-        y = _madd(builder, y, r, _const(ty, c))
-    p = builder.fadd(_madd(builder, y, builder.fmul(r, r), r), _const(ty, 1.0))
+        y = fma(builder, y, r, _const(ty, c))
+    p = builder.fadd(fma(builder, y, builder.fmul(r, r), r), _const(ty, 1.0))
     ints = ir.VectorType(ir.IntType(32), ty.count) if isinstance(ty, ir.VectorType) else ir.IntType(32)
     bits = builder.shl(builder.add(builder.fptosi(k, ints), _const(ints, 127)), _const(ints, 23))
     return builder.fmul(p, builder.bitcast(bits, ty))
@@ -80,19 +79,19 @@ def _exp_shifted(typingctx, s, n, top):
     sig = types.float32(s, n, top)
 
     def codegen(context, builder, signature, args):
-        a = _arguments(context, builder, signature, args, ("s", "n", "top"))
-        sums = {_FLOATS: cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)),
+        a = arguments(context, builder, signature, args, ("s", "n", "top"))
+        sums = {FLOATS: cgutils.alloca_once_value(builder, ir.Constant(FLOATS, None)),
                 ir.FloatType(): cgutils.alloca_once_value(builder, _const(ir.FloatType(), 0.0))}
 
         def shifted(at, ty, load, store):
             ptr = builder.gep(a["s"], [at])
-            top = a["top"] if ty == ir.FloatType() else _broadcast(builder, a["top"])
+            top = a["top"] if ty == ir.FloatType() else broadcast(builder, a["top"])
             e = exp_ir(builder, _clamp(builder, builder.fsub(load(ptr), top), ty, -87.0), ty)
             store(e, ptr)
             builder.store(builder.fadd(builder.load(sums[ty]), e), sums[ty])
 
         def reduce():  # the vectors' lanes added pairwise, where the rest's sum starts
-            parts = [builder.extract_element(builder.load(sums[_FLOATS]), _int(i)) for i in range(LANES)]
+            parts = [builder.extract_element(builder.load(sums[FLOATS]), i64(i)) for i in range(LANES)]
             while len(parts) > 1:
                 half = len(parts) // 2
                 parts = [builder.fadd(parts[i], parts[i + half]) for i in range(half)]
@@ -130,7 +129,7 @@ def _silu_mul_ir(typingctx, gu, out, n):
     sig = types.void(gu, out, n)
 
     def codegen(context, builder, signature, args):
-        a = _arguments(context, builder, signature, args, ("gu", "out", "n"))
+        a = arguments(context, builder, signature, args, ("gu", "out", "n"))
 
         def silu(at, ty, load, store):
             g, u = load(builder.gep(a["gu"], [at])), load(builder.gep(a["gu"], [builder.add(a["n"], at)]))

@@ -1,10 +1,10 @@
 """Weights kept in the GGUF file's own quantization blocks (WEIGHT_DTYPE=gguf, auto's CPU choice).
 
 A Q4_1 file holds every weight as 4-bit codes with an fp16 scale and minimum per 32 inputs;
-dequantized, that is exactly the fp32 matrix transformers (the oracle) runs. `Blocks` keeps the
+dequantized, that is exactly the fp32 matrix transformers (the oracle) runs. `WeightBlocks` keeps the
 codes as they are (rows can still be permuted and concatenated, which the model does to fuse
 q|k|v and gate|up), and `BlockLinear` multiplies fp32 activations by them with the Numba kernels
-in cpu_kernels.py: a decode step reads 5 bits a weight instead of 32. The kernels round the
+in vector_matmul.py: a decode step reads 5 bits a weight instead of 32. The kernels round the
 activations to int16 per block of 32 (2^-16 of the block's largest), so the output is the fp32
 matmul's to about 1e-4, where llama.cpp's 8-bit activations lose 2^-8.
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvgen.engine import amx_kernels, block_matmul, cpu_features, cpu_kernels
-from kvgen.engine.cpu_kernels import TILE
+from kvgen.cpu import amx_matmul, block_matmul, features, vector_matmul
+from kvgen.cpu.vector_matmul import TILE
 
 GROUP = 32
 # Types kept as blocks: (bytes per block, layout). Q4_0 is Q4_1 with m = -8 d.
@@ -34,7 +34,7 @@ BLOCK_TYPES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 @dataclass
-class Blocks:
+class WeightBlocks:
     """One weight [N, K] in blocks of 32 inputs: d, m [N, K/32] float32 (m None for Q8_0);
     qs [N, K/32, 16] uint8 (Q4: byte j holds inputs j and j + 16) or [N, K/32, 32] int8 (Q8)."""
 
@@ -44,7 +44,7 @@ class Blocks:
     qs: torch.Tensor
 
     @classmethod
-    def from_gguf(cls, type_name: str, raw: np.ndarray) -> Blocks:
+    def from_gguf(cls, type_name: str, raw: np.ndarray) -> WeightBlocks:
         """raw: the tensor's bytes, [N, K/32 * block bytes] (gguf.GGUFReader's tensor.data)."""
         size = BLOCK_TYPES[type_name]
         b = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)
@@ -57,7 +57,7 @@ class Blocks:
         return cls("q4", d, -8 * d, torch.from_numpy(b[..., 2:].copy()))
 
     @classmethod
-    def q8_from_float(cls, w: torch.Tensor) -> Blocks:
+    def q8_from_float(cls, w: torch.Tensor) -> WeightBlocks:
         """Q8_0 blocks of a float weight [N, K] (K a multiple of 32), as llama.cpp's
         quantize_row_q8_0 makes them: per block the scale amax / 127 (kept in float32 here) and
         each input rounded to the nearest code."""
@@ -71,17 +71,17 @@ class Blocks:
     def shape(self) -> tuple[int, int]:
         return self.d.shape[0], self.d.shape[1] * GROUP
 
-    def map_rows(self, fn) -> Blocks:
+    def map_rows(self, fn) -> WeightBlocks:
         """The same weight with its rows rearranged by fn (a function of a tensor's first dim)."""
-        return Blocks(self.kind, fn(self.d), None if self.m is None else fn(self.m), fn(self.qs))
+        return WeightBlocks(self.kind, fn(self.d), None if self.m is None else fn(self.m), fn(self.qs))
 
     @staticmethod
-    def cat(parts: list[Blocks]) -> Blocks:
+    def cat(parts: list[WeightBlocks]) -> WeightBlocks:
         kinds = {p.kind for p in parts}
         if len(kinds) != 1:
             raise ValueError(f"cannot fuse blocks of kinds {sorted(kinds)}")
         m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return Blocks(parts[0].kind, torch.cat([p.d for p in parts]), m, torch.cat([p.qs for p in parts]))
+        return WeightBlocks(parts[0].kind, torch.cat([p.d for p in parts]), m, torch.cat([p.qs for p in parts]))
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: what gguf.quants.dequantize gives for the same bytes."""
@@ -102,19 +102,19 @@ def compile_kernels() -> None:
     one segfaults when a process loads it from the cache before the callee (numba/numba#8578,
     reproduced here with q4_linear over q4_matmul), so every process loads the callees first."""
     x = np.zeros((1, GROUP), np.float32)
-    y, d, room = np.zeros((1, TILE), np.float32), np.zeros((1, 1, TILE), np.float32), cpu_kernels.scratch(1, GROUP)
+    y, d, room = np.zeros((1, TILE), np.float32), np.zeros((1, 1, TILE), np.float32), vector_matmul.scratch(1, GROUP)
     scales = np.zeros((1, 1), np.float32)
-    cpu_kernels._round_parallel(x, np.zeros((1, GROUP), np.int16), scales, scales)  # quantize's callee
-    xq, dx, xs = cpu_kernels.quantize(x)
+    vector_matmul.round_rows_parallel(x, np.zeros((1, GROUP), np.int16), scales, scales)  # quantize's callee
+    xq, dx, xs = vector_matmul.quantize(x)
     for dtype in (np.uint8, np.int8):
-        cpu_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
-        cpu_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
-    if cpu_features.AMX:  # the tiles' kernels too, callees first: split, _matmul, then its wrappers
-        amx_kernels.split(xq)
+        vector_matmul.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
+        vector_matmul.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
+    if features.AMX:  # the tiles' kernels too, callees first: split, tile_matmul, then its wrappers
+        amx_matmul.split(xq)
         for dtype in (np.uint8, np.int8):
-            amx_kernels._matmul(True, xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
-            amx_kernels.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
-            amx_kernels.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
+            amx_matmul.tile_matmul(True, xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
+            amx_matmul.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
+            amx_matmul.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
     block_matmul.q4_linear(x, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y, room)
     block_matmul.q8_linear(x, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y, room)
 
@@ -124,7 +124,7 @@ class BlockLinear:
 
     dtype = "gguf"
 
-    def __init__(self, blocks: Blocks, b: torch.Tensor | None):
+    def __init__(self, blocks: WeightBlocks, b: torch.Tensor | None):
         self.kind, self.b = blocks.kind, b
         self.out_features, self.in_features = blocks.shape
         pad = -self.out_features % TILE  # the kernels work in whole tiles of output rows
@@ -144,7 +144,7 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous().numpy()
         y = np.empty((x.shape[0], self.d.shape[0] * TILE), np.float32)
-        room = cpu_kernels.scratch(*x.shape)
+        room = vector_matmul.scratch(*x.shape)
         if self.kind == "q4":
             block_matmul.q4_linear(x, self.qs, self.d, self.m, y, room)
         else:

@@ -3,7 +3,7 @@ without stage.ExactTail, so a decode step over them stays one compiled call.
 
 Model.forward reads a quantized cache through the format's `read`, which dequantizes every
 block of the context into fresh fp32 tensors on every layer of every step: at 1k tokens that
-copy, not the arithmetic, is the step. Here attention (plain_attention.py, the same tasks as
+copy, not the arithmetic, is the step. Here attention (paged_attention.py, the same tasks as
 over fp32 rows) dequantizes one block of one KV head at a time into a scratch tile that stays in
 L1 (`load`, kv_lanes.py's kernels), so a step touches the quantized bytes once and allocates
 nothing per token. It is the CPU twin of the GPU kernels (kvgen/gpu/kernels/kv_append.cu,
@@ -30,10 +30,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from kvgen.engine import (
-    cpu_kernels,  # noqa: F401  (first: it points Numba's cache, numba_cache.py)
-    kv_lanes,
-)
+from kvgen.cpu import kv_lanes
 
 PLAIN, FP8, Q4 = 0, 1, 2
 FORMATS = {"fp32": PLAIN, "fp8": FP8, "q4": Q4}

@@ -1,0 +1,218 @@
+"""A model's decode step as one compiled call: the Llama layer loop (RMS norm, RoPE, the KV write,
+paged attention, SiLU, residuals) with every op a loop, the matmuls being block_matmul's kernels
+over weight_blocks' codes, so a step costs the weights' bytes and little else.
+
+The engine's fused_decode.py gathers a model's weights into the arrays `step` reads and calls it;
+this module knows nothing of the model beyond those arrays. It runs rows of one new token each,
+however many, over fp32 keys and values or fp8 / q4 (kv_io.py writes and reads them), and over
+fp32 KV also runs of consecutive positions of one sequence (a prompt chunk, a draft's k + 1
+tokens). Each row runs the same operations whatever the other rows: the matmul kernels' rows are
+independent, norms and attention go row by row, so a prompt token's K/V and logits are those of
+the same token decoded alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+from kvgen.cpu import block_matmul, key_lanes, kv_io, paged_attention, vector_exp, vector_matmul
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _rms_norm(h, w, eps, out):  # pragma: no cover - compiled
+    ss = np.float32(0)
+    for i in range(h.shape[0]):
+        ss += h[i] * h[i]
+    inv = np.float32(1) / math.sqrt(ss / h.shape[0] + eps)
+    for i in range(h.shape[0]):
+        out[i] = h[i] * inv * w[i]
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _rope(x, head, cos, sin):  # pragma: no cover - compiled
+    """Rotate the interleaved pairs of x[head * D : (head + 1) * D] (model.py's layout)."""
+    half = cos.shape[0]
+    base = head * 2 * half
+    for i in range(half):
+        a, b = x[base + 2 * i], x[base + 2 * i + 1]
+        x[base + 2 * i] = a * cos[i] - b * sin[i]
+        x[base + 2 * i + 1] = a * sin[i] + b * cos[i]
+
+
+@njit(cache=True, nogil=True)
+def _rope_row(q, pos, heads, cos, sin):  # pragma: no cover - compiled
+    """Rotate a row's first `heads` heads of its qkv output at position pos: the query heads then
+    the key heads, adjacent in the fused output."""
+    for hd in range(heads):
+        _rope(q, hd, cos[pos], sin[pos])
+
+
+# What a stage of _rows does to each row
+NORM, ADD_NORM, ROPE_WRITE, SILU = 0, 1, 2, 3
+# Rows from which a step's row-by-row stages are cut among the threads (a prompt chunk's: on one
+# thread they were a tenth of a 512-token chunk; a decode step's few rows are not worth waking
+# the other thread for).
+PARALLEL_ROWS = 16
+
+
+@njit(cache=True, nogil=True)
+def _rows(stage, lo, hi, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim, gu,
+          act):  # pragma: no cover - compiled
+    """One stage for rows lo .. hi - 1, each row on its own (the same calls whichever thread or
+    step runs it): NORM x = norm(h) w; ADD_NORM h += add, then NORM; ROPE_WRITE rotates the row's
+    query and key heads in its qkv output (x) and writes its K/V into the plain cache; SILU
+    act = silu(gate) up of its gate_up output (gu)."""
+    if stage == SILU:
+        for r in range(lo, hi):
+            vector_exp.silu_mul(gu[r], act[r])
+        return
+    if stage == ROPE_WRITE:
+        block, nq, nk = kv.shape[3], heads * head_dim, kv_heads * head_dim
+        for r in range(lo, hi):
+            pos = positions[r]
+            b, off, q = tables[r, pos // block], pos % block, x[r]
+            _rope_row(q, pos, heads + kv_heads, cos, sin)
+            for kh in range(kv_heads):
+                for i in range(head_dim):
+                    kv[b, layer, 0, off, kh, i] = q[nq + kh * head_dim + i]
+                    kv[b, layer, 1, off, kh, i] = q[nq + nk + kh * head_dim + i]
+        return
+    for r in range(lo, hi):
+        if stage == ADD_NORM:
+            for i in range(h.shape[1]):
+                h[r, i] += add[r, i]
+        _rms_norm(h[r], w, eps, x[r])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _rows_parallel(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim, gu,
+                   act):  # pragma: no cover - compiled
+    """_rows over all rows, cut in runs of consecutive rows, one a thread."""
+    rows = positions.shape[0]
+    parts = min(rows, vector_matmul.PARTS)
+    for part in prange(parts):
+        _rows(stage, part * rows // parts, (part + 1) * rows // parts, h, add, w, eps, x, positions, tables, kv,
+              layer, cos, sin, heads, kv_heads, head_dim, gu, act)
+
+
+@njit(cache=True, nogil=True)
+def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim, gu,
+           act):  # pragma: no cover - compiled
+    if positions.shape[0] >= PARALLEL_ROWS:
+        _rows_parallel(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
+                       gu, act)
+    else:
+        _rows(stage, 0, positions.shape[0], h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads,
+              kv_heads, head_dim, gu, act)
+
+
+@njit(cache=True, nogil=True)
+def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, norm, qkv, o, gate_up, down, head,
+          head_q4, cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
+    rows, hidden = tokens.shape[0], embed.shape[1]
+    h = np.empty((rows, hidden), np.float32)
+    for r in range(rows):
+        h[r] = embed[tokens[r]]
+    x = np.empty((rows, hidden), np.float32)
+    qkv_out = np.empty((rows, qkv[1].shape[1] * qkv[1].shape[-1]), np.float32)
+    att = np.empty((rows, heads * head_dim), np.float32)
+    o_out = np.empty((rows, o[1].shape[1] * o[1].shape[-1]), np.float32)
+    gu = np.empty((rows, gate_up[1].shape[1] * gate_up[1].shape[-1]), np.float32)
+    act = np.empty((rows, inter), np.float32)
+    d_out = np.empty((rows, down[1].shape[1] * down[1].shape[-1]), np.float32)
+    # the head's rows may outnumber the step's (a row named twice in need)
+    room = vector_matmul.scratch(max(rows, need.shape[0]), max(hidden, inter, heads * head_dim))
+    block = kv.shape[3]
+    nq, nk = heads * head_dim, kv_heads * head_dim
+    plain = kvq[kv_io.KIND] == kv_io.PLAIN
+    plan, partial = paged_attention.plan(positions, kv_heads, heads // kv_heads, head_dim, not plain)
+    for layer in range(ln1.shape[0]):
+        # the previous layer's MLP output is added here, with this layer's first norm
+        _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
+               heads, kv_heads, head_dim, gu, act)
+        block_matmul.q4_linear(x, qkv[0][layer], qkv[1][layer], qkv[2][layer], qkv_out, room)
+        if plain:
+            _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
+                   kv_heads, head_dim, gu, act)
+            if kt.shape[0]:
+                key_lanes.transpose_blocks(kv, layer, blocks, kt)
+        else:  # fp8 / q4 (kv_io.py): the rows in turn (a block's scales are shared)
+            for r in range(rows):
+                pos = positions[r]
+                b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
+                _rope_row(q, pos, heads + kv_heads, cos, sin)
+                qk = kvq[kv_io.QK]
+                if qk.shape[0]:  # key channels equalised: queries times the scale, keys by it
+                    for i in range(nq + nk):
+                        q[i] *= qk[layer, i // head_dim, i % head_dim]
+                kv_io.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
+        paged_attention.attend(qkv_out, kv, kvq, layer, tables, positions, heads, kv_heads, head_dim, att, plan,
+                               partial, slot, kt)
+        block_matmul.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
+        _stage(ADD_NORM, h, o_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads,
+               head_dim, gu, act)
+        block_matmul.q4_linear(x, gate_up[0][layer], gate_up[1][layer], gate_up[2][layer], gu, room)
+        _stage(SILU, h, d_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
+               gu, act)
+        block_matmul.q4_linear(act, down[0][layer], down[1][layer], down[2][layer], d_out, room)
+    for r in range(rows):
+        for i in range(hidden):
+            h[r, i] += d_out[r, i]
+    # logits of the rows asked for only (a prompt chunk needs its last row's; the head is a
+    # quarter of a small model's weights), in need's order, a row as often as it is named
+    x = np.empty((need.shape[0], hidden), np.float32)
+    for i in range(need.shape[0]):
+        _rms_norm(h[need[i]], norm, eps, x[i])
+    for r in range(features.shape[0]):  # every row's final-norm hidden state, where asked (EAGLE)
+        _rms_norm(h[r], norm, eps, features[r])
+    if head_q4:
+        block_matmul.q4_linear(x, head[0], head[1], head[2], logits, room)
+    else:
+        block_matmul.q8_linear(x, head[0], head[1], logits, room)
+
+
+# Rows of one sequence in a step from which its blocks are transposed once a layer for them all
+# (paged_attention.py) rather than read as rows by each: a draft's 5 or 9 rows took as long
+# either way, a prompt chunk's 64 rows 10% less attention transposed.
+TRANSPOSE_FROM = 16
+
+
+def aligned(shape) -> np.ndarray:
+    """An empty float32 array whose data starts on a 64-byte line (numpy's own start 16 bytes into
+    one: every 64-byte vector load of key_lanes' transposed copy then spanned two lines)."""
+    n = int(np.prod(shape))
+    buf = np.empty(n + 16, np.float32)
+    at = (-buf.ctypes.data % 64) // 4
+    return buf[at:at + n].reshape(shape)
+
+
+def warm_up(layers, heads, kv_heads, head_dim, hidden, inter, norm, eps, cos, sin) -> None:
+    """Compile (or load from the disk cache) step's parallel callees with step's argument types,
+    before step itself: a cached function loaded before a parallel one it calls segfaults
+    (numba/numba#8578; weight_blocks.compile_kernels does the same for the block kernels). attend
+    reads a one-block fp8 cache of zeros (the cache tuple's types are the same for every format)."""
+    kv = np.zeros((1, layers, 2, 16, kv_heads, head_dim), np.float32)
+    q = np.zeros((1, (heads + 2 * kv_heads) * head_dim), np.float32)
+    out, tables, positions = np.zeros((1, heads * head_dim), np.float32), np.zeros((1, 1), np.int64), \
+        np.zeros(1, np.int64)
+    fp8 = list(kv_io.cache_tuple(None, {}))
+    fp8[kv_io.KIND] = kv_io.FP8
+    fp8[kv_io.CODES] = np.zeros(kv.shape, np.uint8)
+    fp8[kv_io.SCALE] = np.ones(kv.shape[:3] + kv.shape[4:5], np.float32)
+    kt = np.zeros((1, kv_heads, head_dim, 16), np.float32)
+    key_lanes.transpose_blocks(kv, 0, np.zeros(1, np.int64), kt)
+    group = heads // kv_heads
+    parts = (np.zeros((1, group, head_dim), np.float32), np.zeros((1, group), np.float32),
+             np.ones((1, group), np.float32))
+    # attend's parallel callee first
+    paged_attention.merge(*parts, np.zeros(2, np.int64), positions, heads, out)
+    plan = paged_attention.plan(positions, kv_heads, group, head_dim, True)
+    paged_attention.attend(q, kv, tuple(fp8), 0, tables, positions, heads, kv_heads, head_dim, out, *plan,
+                           np.zeros(1, np.int64), kt)
+    h = np.zeros((1, hidden), np.float32)
+    gu = np.zeros((1, 2 * inter), np.float32)
+    _rows_parallel(SILU, h, h, norm, np.float32(eps), q, positions, tables, kv, 0, cos, sin, heads, kv_heads,
+                   head_dim, gu, np.zeros((1, inter), np.float32))

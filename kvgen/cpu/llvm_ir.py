@@ -1,0 +1,64 @@
+"""The LLVM IR vocabulary of kvgen's vector kernels (Numba has no vector types, so the inner loops
+are written as IR in `numba.extending.intrinsic`s): vector types LANES wide, constants, and the
+few builder patterns every kernel family shares. Nothing here compiles anything."""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+
+from kvgen.cpu.features import FEATURES, LANES
+
+I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+BYTES, WORDS = ir.VectorType(I8, 2 * LANES), ir.VectorType(I16, 2 * LANES)  # 2 LANES bytes / int16s
+INTS, FLOATS = ir.VectorType(I32, LANES), ir.VectorType(ir.FloatType(), LANES)  # LANES int32s / floats
+FMA = "+fma" in FEATURES.split(",")
+
+
+def vector(ty, values):
+    """A constant vector of type ty with these values."""
+    return ir.Constant(ir.VectorType(ty, len(values)), [ir.Constant(ty, v) for v in values])
+
+
+def i64(n):
+    """n as an i64 constant (an index or a count)."""
+    return ir.Constant(I64, n)
+
+
+def broadcast(builder, x, ty=FLOATS):
+    """x in every lane of a vector of type ty."""
+    v = builder.insert_element(ir.Constant(ty, ir.Undefined), x, ir.Constant(I32, 0))
+    return builder.shuffle_vector(v, v, vector(I32, [0] * ty.count))
+
+
+def splat(builder, ptr):
+    """The float at ptr in every lane."""
+    return broadcast(builder, builder.load(ptr))
+
+
+def add_all(builder, terms):
+    """terms[0] + terms[1] + ... (integers), left to right."""
+    out = terms[0]
+    for t in terms[1:]:
+        out = builder.add(out, t)
+    return out
+
+
+def fma(builder, a, b, c):
+    """a b + c (floats, or vectors of them), rounded once where the CPU has FMA."""
+    if not FMA:
+        return builder.fadd(builder.fmul(a, b), c)
+    ty = a.type
+    suffix = f"v{ty.count}f32" if isinstance(ty, ir.VectorType) else "f32"
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty] * 3), f"llvm.fma.{suffix}")
+    return builder.call(fn, [a, b, c])
+
+
+def arguments(context, builder, signature, args, names):
+    """An intrinsic's arguments by name, arrays as their data pointers."""
+    a = dict(zip(names, args, strict=True))
+    for i, name in enumerate(names):
+        if isinstance(signature.args[i], types.Array):
+            a[name] = context.make_array(signature.args[i])(context, builder, args[i]).data
+    return a
