@@ -1,16 +1,16 @@
 """The block matmuls of vector_matmul.py on AMX tiles, for steps of many rows (prompt chunks).
 
-vector_matmul' pmaddwd / vpdpwssd kernels multiply int16 activations by the weights' codes 32 pairs
-an instruction. A CPU with AMX-INT8 (Sapphire Rapids and later) multiplies a 16 x 64 tile of
+vector_matmul's pmaddwd / vpdpwssd kernels multiply int16 activations by the weights' codes 32
+pairs an instruction. A CPU with AMX-INT8 (Sapphire Rapids and later) multiplies a 16 x 64 tile of
 bytes by a 64 x 16 one, 16 K multiply-adds, in one TDPBUSD / TDPBSSD. The activations are int16,
 so each is split in its bytes, x = 256 hi + lo (lo unsigned, hi signed), and a block's dot
-product is 256 (hi . w) + (lo . w): two tile products, the same exact integer as vector_matmul'.
-The rest is vector_matmul' float epilogue, the same operations in the same order, so every row's
+product is 256 (hi . w) + (lo . w): two tile products, the same exact integer as vector_matmul's.
+The rest is vector_matmul's float epilogue, the same operations in the same order, so every row's
 output is bit-identical to what the vector kernels give it (a test holds both to that): a prompt
 row's K/V and logits stay those of the same token decoded alone.
 
 A tile of output rows (TILE = 16 weight rows) runs over all the call's activation rows, 16 at a
-time. For each 32-input block g: its weight codes are unpacked once a call from vector_matmul'
+time. For each 32-input block g: its weight codes are unpacked once a call from vector_matmul's
 layout into a B tile (8 rows of [row c, 4 inputs] bytes: TDP's layout) in a per-thread buffer;
 the activation bytes are A tiles read straight from the split arrays (16 rows x 32 bytes); the
 two int32 products go to memory, and the epilogue adds d (dx dot) + m xs into 16 float vectors,
@@ -101,7 +101,7 @@ def _release(typingctx):
 
 
 def _unpack(kind: str):
-    """An intrinsic: the weight blocks of one tile (vector_matmul' layout) as B tiles, 512 bytes a block."""
+    """An intrinsic: the weight blocks of one tile (vector_matmul's layout) as B tiles, 512 bytes a block."""
     pairs = 8 if kind == "q4" else 16
     half = ir.VectorType(I8, 32)
     words = ir.VectorType(ir.IntType(16), 16)

@@ -1,6 +1,6 @@
 """y = x W^T for a weight in GGUF blocks, as the model and the fused step call it: the activations
-rounded to int16 per block of 32 (vector_matmul' rule), then the products on AMX tiles for a call
-of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vector_matmul' vector
+rounded to int16 per block of 32 (vector_matmul's rule), then the products on AMX tiles for a call
+of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vector_matmul's vector
 kernels.
 Both give every row the same bits, so which one ran never shows in a row's output."""
 

@@ -19,7 +19,7 @@ def _request_amx() -> bool:
 
 
 # The features Numba compiles for: the host's, or NUMBA_CPU_FEATURES where set (the tests build
-# the AVX2 and portable paths on an AVX-512 CPU that way, with "-avx512bw" and "-avx2").
+# every path below this CPU's that way, with "-amx-int8", "-avx512vnni", "-avx512bw" or "-avx2").
 binding.initialize_native_target()
 FEATURES = numba.config.CPU_FEATURES or binding.get_host_cpu_features().flatten()
 PMADDWD = "+avx2" in FEATURES.split(",")

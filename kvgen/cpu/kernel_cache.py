@@ -3,10 +3,11 @@
 Numba's disk cache checks only the source file of the function it caches, and a cached caller
 holds its callees' code (decode_step's step holds vector_matmul's matmuls and kv_io's loops):
 after a change in a callee's file the caller's cache would still run the old code, over arrays
-laid out the new way. A folder per hash of every file in kvgen/cpu (and of the kernels' code path
-and Numba's version) makes any change to a kernel start a new cache, and a change anywhere else
-in kvgen (the engine, the service) none. The package's __init__ points Numba here before any
-kernel module is imported; NUMBA_CACHE_DIR, where set, wins (Numba reads it).
+laid out the new way. A folder per hash of every file in kvgen/cpu (and of the CPU's features,
+the AMX grant, Numba's thread count and version) makes any change to a kernel start a new cache,
+and a change anywhere else in kvgen (the engine, the service) none. The package's __init__
+points Numba here before any kernel module is imported; NUMBA_CACHE_DIR, where set, wins (Numba
+reads it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The kernels of FusedDecode's attention over plain fp32 KV (paged_attention.py): a score with a
+"""The kernels of decode_step's attention over plain fp32 KV (paged_attention.py): a score with a
 lane per key.
 
 A score is a dot product over head_dim. With a lane per dimension (the obvious vectorization of

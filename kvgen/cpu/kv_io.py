@@ -1,4 +1,4 @@
-"""FusedDecode's cache write and block read for the quantized KV formats fp8 and q4, with or
+"""decode_step's cache write and block read for the quantized KV formats fp8 and q4, with or
 without stage.ExactTail, so a decode step over them stays one compiled call.
 
 Model.forward reads a quantized cache through the format's `read`, which dequantizes every
@@ -19,7 +19,7 @@ flash_decode.cu):
 - load: a block's K or V rows of one head as the format's read gives them, bit for bit.
 
 Everything a kernel reads travels in one tuple (`Cache`, built by `cache_tuple`), the same types
-for every format (unused members are empty arrays), so FusedDecode's step compiles once.
+for every format (unused members are empty arrays), so decode_step's step compiles once.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""FusedDecode's attention: a step's rows, each over its own cached positions, in the plain fp32
+"""decode_step's attention: a step's rows, each over its own cached positions, in the plain fp32
 cache's rows or in a quantized format's (fp8, q4) blocks, each dequantized a KV head at a time
 into a tile that stays in L1 for the task's query heads and rows (kv_io.load). Both take the
 same tasks: at 1k tokens of context the quantized formats' own split scheme, a block's scores a

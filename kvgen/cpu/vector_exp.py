@@ -1,6 +1,6 @@
 """Kernels built on exp, in LLVM IR for the CPU: softmax's numerators (exp_shifted, with the
-scores' max from largest) for paged_attention and kv_io, and the MLP's silu(gate) * up
-for fused_decode. Numba loops of the same polynomial did not vectorize (the softmax's wrote 2^k
+scores' max from largest) for paged_attention, and the MLP's silu(gate) * up
+for decode_step. Numba loops of the same polynomial did not vectorize (the softmax's wrote 2^k
 through an int32 view of the scores themselves), and math.exp is a library call per element:
 as vectors they took a 512-token prefill's softmax ~12 -> ~7 ms and its SiLU ~26 -> ~4 ms.
 """

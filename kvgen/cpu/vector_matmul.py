@@ -43,8 +43,8 @@ another.
 The kernels release the GIL (nogil): the engine thread runs them while the server's event loop
 goes on serving other calls, as it does during torch's ops.
 
-Numba's disk cache for these kernels lives in a folder named by a hash of the engine's sources
-and of the code path (kernel_cache.py says why).
+Numba's disk cache for these kernels lives in a folder named by a hash of kvgen/cpu's sources
+and of the CPU's features (kernel_cache.py says why).
 
 Threads: the kernels run on Numba's OpenMP layer. It links the system's libgomp by a file name
 torch's bundled copy does not answer to, so the engine thread holds two worker pools, torch's and

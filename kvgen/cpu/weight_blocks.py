@@ -97,7 +97,7 @@ def compile_kernels() -> None:
     """Compile (or load from Numba's on-disk cache) every block kernel once, on tiny arrays, so
     that model loading pays for it and not the first request (tens of seconds on a fresh machine).
 
-    The parallel kernels come first, each for both code types (fused_decode's step compiles its
+    The parallel kernels come first, each for both code types (decode_step's step compiles its
     head's call to either kernel with the head's codes): a cached function that calls a parallel
     one segfaults when a process loads it from the cache before the callee (numba/numba#8578,
     reproduced here with q4_linear over q4_matmul), so every process loads the callees first."""

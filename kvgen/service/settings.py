@@ -1,10 +1,15 @@
 """Server settings: one table (SETTINGS) built from the fields of Settings and EngineOptions, each
 with its environment name, type, default and one line of meaning. Settings.from_env is the only
-reader of the environment (the OpenTelemetry SDK reads its own OTEL_* variables)."""
+reader of the environment (the OpenTelemetry SDK reads its own OTEL_* variables).
+
+`python -m kvgen.service.settings` prints the table as docs/settings.md shows it (settings_markdown);
+`python -m kvgen.service.settings --update docs/settings.md` rewrites that part of the file."""
 
 from __future__ import annotations
 
 import os
+import sys
+import textwrap
 from dataclasses import dataclass, field, fields
 
 from kvgen.engine.options import EngineOptions, setting
@@ -70,7 +75,7 @@ class Setting:
     kind: type  # str, int, float or bool
     default: object
     doc: str
-    shown: str  # the default as the README's table writes it
+    shown: str  # the default as docs/settings.md writes it
 
 
 def _table(cls: type) -> list[Setting]:
@@ -102,3 +107,45 @@ def _parse(raw: str, kind: type):
 
 
 SETTINGS: list[Setting] = _table(Settings) + _table(EngineOptions)
+
+
+# docs/settings.md's generated part lies between these lines
+BEGIN, END = "<!-- settings:begin -->", "<!-- settings:end -->"
+WIDTH = 120  # the docs' longest line (tests/test_docs.py)
+
+
+def settings_markdown() -> str:
+    """SETTINGS as Markdown, as docs/settings.md holds it between BEGIN and END: a list item a
+    setting (its name, type, default and line of meaning), wrapped at WIDTH characters, which a
+    table's one line a row could not be; the server's settings first, then the engine's."""
+    out = []
+    for owner, title in ((Settings, "The server (`Settings`, kvgen/service/settings.py)"),
+                         (EngineOptions, "The engine (`EngineOptions`, kvgen/engine/options.py)")):
+        out += [f"### {title}", ""]
+        for s in SETTINGS:
+            if s.owner is owner:
+                out += textwrap.wrap(f"- `{s.env}` ({s.kind.__name__}; default: {s.shown}): {s.doc}", WIDTH,
+                                     subsequent_indent="  ", break_long_words=False, break_on_hyphens=False)
+        out.append("")
+    return "\n".join(out)
+
+
+def with_settings(text: str) -> str:
+    """A document's text with its part between BEGIN and END replaced by settings_markdown()."""
+    head, begin, rest = text.partition(BEGIN)
+    _, end, tail = rest.partition(END)
+    if not begin or not end:
+        raise ValueError(f"no {BEGIN} ... {END} region")
+    return f"{head}{BEGIN}\n{settings_markdown()}{END}{tail}"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--update"] and len(sys.argv) == 3:
+        with open(sys.argv[2]) as f:
+            text = f.read()
+        with open(sys.argv[2], "w") as f:
+            f.write(with_settings(text))
+    elif len(sys.argv) == 1:
+        print(settings_markdown(), end="")
+    else:
+        sys.exit("usage: python -m kvgen.service.settings [--update docs/settings.md]")

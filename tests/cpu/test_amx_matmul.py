@@ -1,4 +1,4 @@
-"""The AMX tile matmuls (amx_matmul.py): the same bits as vector_matmul' vector kernels, row for row,
+"""The AMX tile matmuls (amx_matmul.py): the same bits as vector_matmul's vector kernels, row for row,
 for every weight kind, row count and tile split; the activations' bytes as the tiles read them.
 They run where the CPU has AMX-INT8 and Linux grants it (elsewhere there is nothing to run)."""
 

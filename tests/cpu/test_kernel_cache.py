@@ -3,8 +3,8 @@
 A cached function that calls a parallel one segfaults when a process loads it from the cache
 before the parallel callee, if it was compiled in a process that had loaded that callee from the
 cache (numba/numba#8578). A server start after a test run, or a second replica after the first,
-is exactly that sequence; weight_blocks.compile_kernels loads the callees first (and FusedDecode.compile
-does the same for its step's).
+is exactly that sequence; weight_blocks.compile_kernels loads the callees first (and
+decode_step.warm_up, which FusedDecode.compile calls, does the same for the fused step's).
 """
 
 from __future__ import annotations

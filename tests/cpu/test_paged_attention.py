@@ -1,4 +1,4 @@
-"""key_lanes.py's kernels in paged_attention.py (FusedDecode's attention over fp32 KV): softmax attention, the same bits
+"""key_lanes.py's kernels in paged_attention.py (decode_step's attention over fp32 KV): softmax attention, the same bits
 for a row whatever its step holds (alone or among others, keys from the cache's rows or from
 their transposed copy, on one thread or two), on this CPU's build and on the AVX2 and no-FMA
 builds."""
@@ -37,7 +37,7 @@ def cache(shape, rows, seed=0):
 
 
 def attend(shape, kv, tables, positions, q, transposed=False, layer=1):
-    """paged_attention.attend as FusedDecode's step calls it (transposed: from transpose_blocks' copy)."""
+    """paged_attention.attend as decode_step.step calls it (transposed: from transpose_blocks' copy)."""
     heads, kv_heads, hd, block = shape
     out = np.full((len(positions), heads * hd), np.nan, np.float32)
     slot, kt = np.zeros(kv.shape[0], np.int64), np.empty((0, kv_heads, hd, block), np.float32)

@@ -86,7 +86,7 @@ PATHS = {"amx": ("+amx-int8", (True, True, True, False)), "avx512": ("+avx512vnn
 
 @pytest.mark.parametrize("path", PATHS)
 def test_every_kernel_path_gives_the_same_bits(path):
-    """With AMX-INT8 a call of 16 rows or more runs on tiles (amx_matmul.py), with AVX512-VNNI
+    """With AMX-INT8 a call of AMX_FROM (12) rows or more runs on tiles (amx_matmul.py), with AVX512-VNNI
     the kernels call vpdpwssd, with AVX-512 the 512-bit pmaddwd, with AVX2 the 256-bit one,
     elsewhere LLVM lowers a portable multiply-add. All sum the same integers and scale them by
     the same float operations: a build for this CPU without the feature (NUMBA_CPU_FEATURES, in a

@@ -1,45 +1,75 @@
 """One table of settings (kvgen.service.settings.SETTINGS): every field of Settings and
-EngineOptions is in it with a doc line, the README's table lists exactly these with the same
-defaults, and only Settings.from_env reads the environment."""
+EngineOptions is in it with a doc line, docs/settings.md lists exactly these with the same types
+and defaults (its list is what settings_markdown renders, so it cannot drift), and only
+Settings.from_env reads the environment."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from kvgen.engine.options import EngineOptions
-from kvgen.service.settings import SETTINGS, Settings
+from kvgen.service.settings import BEGIN, END, SETTINGS, Settings, settings_markdown, with_settings
 
 ROOT = Path(__file__).resolve().parents[2]
-ROW = re.compile(r"^\| `([A-Z0-9_]+)` \| (.*?) \| (.*) \|$")
+DOC = ROOT / "docs" / "settings.md"
+ITEM = re.compile(r"^- `([A-Z0-9_]+)` \((str|int|float|bool); default: (.*?)\): (.*)$", re.S)
 
 
-def readme_settings() -> dict[str, str]:
-    """{variable: default} from the README's `| Variable | Default | Meaning |` table."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Settings"):]
-    table = section[section.index("| Variable | Default | Meaning |"):]
+def generated() -> str:
+    """The part of docs/settings.md between its settings markers."""
+    text = DOC.read_text()
+    assert text.count(BEGIN) == 1 and text.count(END) == 1, f"docs/settings.md needs one {BEGIN} ... {END}"
+    return text[text.index(BEGIN) + len(BEGIN):text.index(END)]
+
+
+def doc_settings() -> dict[str, tuple[str, str]]:
+    """{variable: (type, default)} from docs/settings.md's list: one item a setting, `- `NAME` (type;
+    default: shown): meaning`, its continuation lines indented."""
+    items: list[str] = []
+    for line in generated().splitlines():
+        if line.startswith("- "):
+            items.append(line)
+        elif line.startswith("  ") and items:
+            items[-1] += " " + line.strip()
+        else:
+            assert not line.strip() or line.startswith("### "), f"docs/settings.md line not understood: {line!r}"
     rows = {}
-    for line in table.splitlines()[2:]:
-        if not line.startswith("|"):
-            break
-        m = ROW.match(line)
-        assert m, f"README settings row not understood: {line!r}"
-        assert m.group(3).strip(), f"{m.group(1)} has no meaning in the README"
-        rows[m.group(1)] = m.group(2)
+    for item in items:
+        m = ITEM.match(item)
+        assert m, f"docs/settings.md item not understood: {item!r}"
+        assert m.group(4).strip(), f"{m.group(1)} has no meaning in docs/settings.md"
+        assert m.group(1) not in rows, f"{m.group(1)} is listed twice"
+        rows[m.group(1)] = (m.group(2), m.group(3))
     return rows
 
 
-def test_readme_lists_exactly_the_settings_with_their_defaults():
-    readme = readme_settings()
-    code = {s.env: s.shown for s in SETTINGS}
-    assert sorted(set(code) - set(readme)) == [], "settings missing from the README"
-    assert sorted(set(readme) - set(code)) == [], "README rows that are no setting"
-    assert {k: readme[k] for k in code} == code
+def test_docs_list_exactly_the_settings_with_their_defaults():
+    listed = doc_settings()
+    code = {s.env: (s.kind.__name__, s.shown) for s in SETTINGS}
+    assert sorted(set(code) - set(listed)) == [], "settings missing from docs/settings.md"
+    assert sorted(set(listed) - set(code)) == [], "docs/settings.md items that are no setting"
+    assert {k: listed[k] for k in code} == code
+
+
+def test_docs_hold_what_the_code_renders():
+    """docs/settings.md's list is settings_markdown(), as `python -m kvgen.service.settings --update
+    docs/settings.md` writes it: run that after changing a setting."""
+    assert DOC.read_text() == with_settings(DOC.read_text()), \
+        "docs/settings.md is stale: run .venv/bin/python -m kvgen.service.settings --update docs/settings.md"
+    assert generated() == "\n" + settings_markdown()
+
+
+def test_the_module_prints_the_list():
+    out = subprocess.run([sys.executable, "-m", "kvgen.service.settings"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out == settings_markdown()
 
 
 def test_every_field_is_a_documented_setting():
