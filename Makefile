@@ -13,14 +13,40 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving eagle-head clean
+.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
 	$(PY) -m kvgen.service.server
 
-test: $(STAMP) $(STUBS)
-	$(PY) -m pytest -q
+# The test tiers (docs/testing.md). `make test` passes everything but the slow and GPU tests: the
+# clients' toolchains installed first, three at a time, then the suite on two workers (a file's
+# tests stay on one), then the `serial` tests alone (they time the event loop or the engine, and
+# another worker's load would be theirs). `make test-fast` is the tier to run before each commit:
+# no installs, builds in subprocesses, server processes or real-model tests (`heavy`).
+PYTEST_TIERS := not slow and not gpu
+test: $(STAMP) $(STUBS) test-deps
+	$(PY) -m pytest -q -n 2 --dist loadfile -m '$(PYTEST_TIERS) and not serial'
+	$(PY) -m pytest -q -m '$(PYTEST_TIERS) and serial'
+
+test-fast: $(STAMP) $(STUBS)
+	$(PY) -m pytest -q -m '$(PYTEST_TIERS) and not heavy'
+
+# What the clients' tests need, installed once a machine (each step is skipped when done, or when
+# its toolchain cannot be had: the tests then skip).
+test-deps: $(STAMP) $(STUBS)
+	$(MAKE) --no-print-directory -j3 go-client node-client lmeval-env
+
+go-client:
+	@if command -v go >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; }; then \
+	  $(MAKE) --no-print-directory -C clients/go build; else echo "no Go toolchain: the Go client's tests skip"; fi
+
+node-client:
+	@if command -v npm >/dev/null; then $(MAKE) --no-print-directory clients/node/node_modules/.package-lock.json; \
+	  else echo "no npm: the Node.js client's tests skip"; fi
+
+clients/node/node_modules/.package-lock.json: clients/node/package-lock.json
+	cd clients/node && npm ci --no-audit --no-fund --loglevel=error
 
 test-slow: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q -m slow

@@ -1,4 +1,14 @@
-"""Shared fixtures: the embedded model (loaded once), engines over it, servers on loopback."""
+"""Shared fixtures: the embedded model (loaded once), engines over it, servers on loopback; and the
+test tiers (docs/testing.md).
+
+Tiers: `make test` runs every test but the `slow` and `gpu` ones. `make test-fast`, what a
+contributor runs before each commit, also leaves out the `heavy` ones: a test is heavy when it
+loads the embedded 135M model or the transformers oracle (the fixtures in REAL_MODEL, at any depth),
+or when its file builds, installs or starts processes (HEAVY_FILES), or when it says so itself
+(`@pytest.mark.heavy`: kernel builds for other ISAs in a subprocess, long engine runs).
+`make test` runs its tests on two workers, then the `serial` ones (SERIAL) alone: they hold the
+event loop, the engine or a call to a time limit, which another worker's load could break.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +16,7 @@ import asyncio
 import os
 import socket
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,6 +26,44 @@ from kvgen.engine.model_files import embedded_model_path
 from kvgen.service.server import Server
 from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
+
+REAL_MODEL = {"embedded", "gen", "make_gen", "server", "stub", "hf_model"}
+HEAVY_FILES = {
+    "tests/service/test_go_client.py": "installs Debian's Go toolchain, builds the Go client",
+    "tests/service/test_node_client.py": "npm ci, the Node.js client's suite",
+    "tests/service/http/test_lm_eval.py": "lm-eval in a venv of its own, evaluating over HTTP",
+    "tests/service/test_serve.py": "`make serve` and server processes on the real model",
+    "tests/service/test_chaos.py": "server processes killed mid-stream",
+    "tests/service/test_soak.py": "a 30 s soak",
+    "tests/deploy/test_envoy.py": "Envoy and replica processes",
+    "tests/gpu/test_compile.py": "nvcc / NVRTC compiles of every kernel",
+    "tests/gpu/test_numba_pack.py": "Numba CUDA kernels in the simulator",
+    "tests/gpu/test_emulated_flash_decode.py": "the CUDA kernels compiled for the host and run",
+    "tests/gpu/test_emulated_exact_tail.py": "the CUDA kernels compiled for the host and run",
+    "tests/gpu/test_emulated_kv_append.py": "the CUDA kernels compiled for the host and run",
+    "tests/gpu/test_launch.py": "the CUDA kernels compiled for the host",
+    "tests/cpu/test_kernel_cache.py": "kernel builds in fresh processes and caches",
+    "tests/engine/speculative/test_lossless.py": "speculative decoding end to end, every drafter (~2 min)",
+    "tests/engine/speculative/test_eagle_training.py": "trains an EAGLE head",
+}
+
+SERIAL = {
+    "tests/service/test_event_loop.py": "no loop callback may take over 0.2 s",
+    "tests/service/test_limits.py": "calls within 5 ms and 1 s",
+    "tests/engine/speculative/test_policy.py": "the cost gate weighs measured step and draft times",
+    "tests/service/test_chaos.py": "UNAVAILABLE within a bound after a kill",
+    "tests/client/test_retry.py": "retries within their time budget",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).resolve().parent.parent
+    for item in items:
+        rel = Path(item.fspath).resolve().relative_to(root).as_posix()
+        if REAL_MODEL & set(item.fixturenames) or rel in HEAVY_FILES:
+            item.add_marker(pytest.mark.heavy)
+        if rel in SERIAL:
+            item.add_marker(pytest.mark.serial)
 
 
 def free_port() -> int:

@@ -4,18 +4,13 @@ build (8 lanes)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
 from kvgen.cpu import features, kv_io
 from kvgen.engine.kv.formats import make_format
+from tests.cpu.isa_build import run_in_build
 
 L, BS, KVH, HD = 2, 16, 2, 64
 
@@ -72,16 +67,14 @@ def test_q4_rows_read_back_as_the_formats_read():
     check_q4_rows()
 
 
+@pytest.mark.heavy
 def test_the_avx2_build_reads_alike():
     """The same checks in a build for this CPU with AVX-512 turned off (NUMBA_CPU_FEATURES, a
-    cache of its own): 8 lanes, a q4 row's 32 nibbles in 4 steps."""
+    cache per ISA: isa_build.py): 8 lanes, a q4 row's 32 nibbles in 4 steps."""
     if "+avx512f" not in features.FEATURES.split(","):
         pytest.skip("this CPU has no AVX-512: the AVX2 build is what runs here")
     isa = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in features.FEATURES.split(","))
     code = ("from kvgen.cpu import features; assert features.LANES == 8; "
             "from tests.cpu.test_kv_lanes import check_fp8_codes, check_q4_rows; "
             "check_fp8_codes(); check_q4_rows()")
-    with tempfile.TemporaryDirectory() as d:
-        env = dict(os.environ, NUMBA_CPU_FEATURES=isa, NUMBA_CACHE_DIR=d)
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600,
-                       cwd=Path(__file__).resolve().parents[2])
+    run_in_build(code, isa)

@@ -5,16 +5,11 @@ builds."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from kvgen.cpu import features, key_lanes, kv_io, paged_attention
+from tests.cpu.isa_build import run_in_build
 
 # (query heads, KV heads, head_dim, block): groups of 3, 1 and 8 (more than key_lanes.MAX_HEADS),
 # a head_dim that is not a multiple of four vectors (values' one-vector tail), blocks of 32
@@ -123,11 +118,12 @@ def test_transpose_blocks_copies_each_blocks_keys_transposed():
 BUILDS = {"avx2": ("+avx512f", 8), "no-fma": ("+fma", None)}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("build", BUILDS)
 def test_other_builds_attend_alike(build):
     """The AVX2 build (8 lanes: two vectors a tile of keys, the transpose in three stages) and a
     build without FMA (a multiply and an add for each multiply-add), made for this CPU with the
-    feature turned off (NUMBA_CPU_FEATURES, in a process with a cache of its own): softmax
+    feature turned off (NUMBA_CPU_FEATURES, in a process with a cache per ISA: isa_build.py): softmax
     attention, and the same bits from the cache's rows and from the transposed copy."""
     drop, lanes = BUILDS[build]
     if drop not in features.FEATURES.split(","):
@@ -142,7 +138,4 @@ def test_other_builds_attend_alike(build):
     isa = features.FEATURES.replace(drop, "-" + drop[1:])
     if build == "avx2":  # every AVX-512 feature goes with avx512f
         isa = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f for f in isa.split(","))
-    with tempfile.TemporaryDirectory() as d:
-        env = dict(os.environ, NUMBA_CPU_FEATURES=isa, NUMBA_CACHE_DIR=d)
-        subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=600,
-                       cwd=Path(__file__).resolve().parents[2])
+    run_in_build(code, isa)

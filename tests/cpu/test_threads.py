@@ -10,6 +10,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from kvgen.cpu.threads import in_fresh_thread
 
 _COUNT = """
@@ -88,6 +90,7 @@ settled()
 """
 
 
+@pytest.mark.heavy
 def test_an_engine_with_a_drafter_leaves_no_pool_behind():
     """Building and closing engines that draft (an EAGLE head, a draft model) leaves the caller's
     thread without a pool: one left there slowed every later engine in the process to less than

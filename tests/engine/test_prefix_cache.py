@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import urllib.request
 
+import pytest
+
 from kvgen.client import request
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.model_files import embedded_model_path
@@ -115,6 +117,7 @@ def test_a_chat_session_never_writes_into_a_block_the_cache_shares(make_gen):
     assert again.token_ids == off.generate(first, GREEDY).token_ids
 
 
+@pytest.mark.heavy
 def test_a_resent_chat_history_reuses_the_reply_bit_for_bit():
     """A stateless chat client resends its history with the reply as text: the prefix cache
     gives back the earlier request's whole blocks, the reply's included, and with the default

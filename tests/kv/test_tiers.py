@@ -146,6 +146,7 @@ print("kernel codecs ok")
 """
 
 
+@pytest.mark.heavy
 def test_warm_codecs_on_the_numba_kernels_match_torch_bit_exactly(tmp_path):
     pytest.importorskip("numba")
     root = Path(__file__).resolve().parents[2]

@@ -24,6 +24,7 @@ def _head(model, tmp_path) -> str:
     return str(path)
 
 
+@pytest.mark.heavy
 def test_eagle_over_the_default_weights_drafts_from_the_fused_step(tmp_path, monkeypatch):
     """Greedy tokens equal plain decoding alone and among 4 streams, drafts were verified, every
     step ran fused (none through Model.forward), and no block is left behind."""
