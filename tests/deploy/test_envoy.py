@@ -1,5 +1,5 @@
 """deploy/envoy: the config validates on the wheel's Envoy, and two real replicas behind a real
-Envoy on loopback route, retry, drain and transcode as the README says. Replicas say which of
+Envoy on loopback route, retry, drain and transcode as docs/deployment.md says. Replicas say which of
 them answered in the x-kvgen-replica trailer."""
 
 from __future__ import annotations
@@ -11,18 +11,22 @@ import struct
 import subprocess
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.mesh import build_descriptor_set, envoy_binary
 from kvgen.client import SESSION_HEADER, Client, replica, request, session_lost
 from kvgen.v1 import generate_pb2 as pb
+from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 HANG_S = 10  # no call in these tests may take this long: a dead replica is an error, not a wait
+STORY = 2000  # tokens a stream runs for: still generating when its replica's drain begins
 
 
 def _validate(config: Path) -> str:
@@ -222,6 +226,44 @@ def _traffic(target: str, stop: threading.Event, keys: list[str], outcomes: list
             i += 1
 
 
+def _until(ok, what: str, timeout: float = HANG_S) -> None:
+    """Poll ok() until it holds; fail naming `what` after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.02)
+
+
+def _serving(r) -> bool:
+    """Whether replica r says SERVING to a health check (Envoy's, which a drain turns NOT_SERVING)."""
+    with grpc.insecure_channel(r.target) as ch:
+        got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=HANG_S)
+    return got.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _refuses(r) -> bool:
+    """Whether replica r refuses new calls (past its drain's DRAIN_DELAY_S)."""
+    with grpc.insecure_channel(r.target) as ch:
+        try:
+            pb_grpc.GeneratorStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=HANG_S)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, e
+            return True
+    return False
+
+
+def _running(r) -> int:
+    """Requests in replica r's running batch (its metrics, served until its drain ends)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{r.metrics_port}/metrics", timeout=HANG_S).read().decode()
+    return int(float(next(line.split()[1] for line in page.splitlines() if line.startswith("kvgen_requests_running "))))
+
+
+def _routed_around(mesh, r) -> bool:
+    """Whether Envoy has taken replica r out of every cluster (health check failed, or ejected)."""
+    flags = [f for (_, host), f in mesh.envoy.host_flags().items() if host == r.target]
+    return bool(flags) and "healthy" not in flags
+
+
 def test_sigterm_drains_a_replica_and_no_call_fails(mesh):
     """r1 finishes its streams while Envoy stops sending it calls; what it refuses meanwhile is
     retried on r0."""
@@ -233,7 +275,7 @@ def test_sigterm_drains_a_replica_and_no_call_fails(mesh):
 
     def long_stream(key: str) -> None:
         try:
-            call = c.stub.GenerateStream(request("a long story", max_new_tokens=1500, ignore_eos=True),
+            call = c.stub.GenerateStream(request("a long story", max_new_tokens=STORY, ignore_eos=True),
                                          metadata=_md(key), timeout=60)
             first = next(call)
             started.wait()
@@ -243,25 +285,31 @@ def test_sigterm_drains_a_replica_and_no_call_fails(mesh):
             got[key] = e.code()
 
     streams = [threading.Thread(target=long_stream, args=(k,)) for k in keys]
+    stop, outcomes = threading.Event(), []
     try:
         for t in streams:
             t.start()
         started.wait()  # every stream is running on r1
-        stop, outcomes = threading.Event(), []
         traffic = threading.Thread(target=_traffic, args=(mesh.target, stop, keys, outcomes))
         traffic.start()
-        time.sleep(0.3)
+        _until(lambda: len(outcomes) >= 2, "traffic through Envoy")
         r1.signal(signal.SIGTERM)
-        time.sleep(3)  # Envoy's health check notices within a second
-        stop.set()
-        traffic.join(HANG_S)
+        at_term = len(outcomes)
+        _until(lambda: not _serving(r1), "r1 NOT_SERVING after SIGTERM")
+        _until(lambda: _refuses(r1), "r1 refusing new calls", 30)  # DRAIN_DELAY_S on: the drain proper
+        assert _running(r1) == len(keys) and not got  # the streams were still generating on r1
+        _until(lambda: _routed_around(mesh, r1), "Envoy routing around r1")
         for t in streams:
             t.join(60)
-        assert got == {k: ("r1", 1500, pb.FINISH_REASON_LENGTH) for k in keys}  # finished on the draining replica
+        assert got == {k: ("r1", STORY, pb.FINISH_REASON_LENGTH) for k in keys}  # finished on the draining replica
+        _until(lambda: len(outcomes) >= at_term + 5, "traffic after SIGTERM")
+        stop.set()
+        traffic.join(HANG_S)
         failed = [o for o in outcomes if not o[0]]
-        assert len(outcomes) >= 5 and not failed, failed  # traffic ran through the drain, and none of it failed
+        assert not failed, failed  # traffic ran through the drain, and none of it failed
         assert r1.proc.wait(40) == 0
     finally:  # the next test gets both replicas whatever happened here
+        stop.set()
         c.close()
         mesh.restart("r1")
 
@@ -272,18 +320,23 @@ def test_sigkill_one_replica_mid_traffic(mesh):
     c = Client(mesh.target)
     holder = _open_sessions(c, "doomed", 12)
     assert set(holder.values()) == {"r0", "r1"}
+    r0 = mesh.replica("r0")
     stop, outcomes = threading.Event(), []
     workers = [threading.Thread(target=_traffic, args=(mesh.target, stop, [], outcomes)) for _ in range(2)]
     for w in workers:
         w.start()
-    time.sleep(0.5)
-    mesh.replica("r0").signal(signal.SIGKILL)
-    time.sleep(3)
-    stop.set()
+    try:
+        _until(lambda: len(outcomes) >= 4, "traffic through Envoy")
+        r0.signal(signal.SIGKILL)
+        at_kill = len(outcomes)
+        _until(lambda: _routed_around(mesh, r0), "Envoy routing around the dead r0")
+        _until(lambda: len(outcomes) >= at_kill + 20, "traffic after the kill")
+    finally:
+        stop.set()
     for w in workers:
         w.join(HANG_S)
     failed = [o for o in outcomes if not o[0]]
-    assert len(outcomes) > 20 and not failed, failed
+    assert not failed, failed
     assert max(o[2] for o in outcomes) < HANG_S
 
     for sid, where in holder.items():

@@ -70,7 +70,10 @@ def test_long_prompt_is_prefilled_in_chunks_beside_running_streams(make_gen):
     short = threading.Thread(target=lambda: g.generate("Count: one, two,", SamplingParams(
         temperature=0, max_new_tokens=30, ignore_eos=True)))
     short.start()
-    time.sleep(0.3)
+    deadline = time.monotonic() + 60
+    while not any(n == 1 for step in list(steps) for _, n in step):  # until the short stream decodes
+        assert time.monotonic() < deadline, "the short stream never started decoding"
+        time.sleep(0.005)
     long_ids = list(range(1000, 1200))  # 200 tokens: at least 7 chunks of <= 31
     r = g.generate(long_ids, SamplingParams(temperature=0, max_new_tokens=2, ignore_eos=True))
     short.join()

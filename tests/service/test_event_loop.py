@@ -16,6 +16,25 @@ from kvgen.v1 import generate_pb2_grpc as pb_grpc
 from .loopwatch import slow_callbacks
 
 
+def _until(ok, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.01)
+
+
+def _handled(server) -> float:
+    """RPCs the server has finished with, cleanup included (its interceptor counts each at the end)."""
+    return sum(s.value for m in server.server.metrics.handled.collect() for s in m.samples
+               if s.name.endswith("_total"))
+
+
+def _settled(server, before: float, rpcs: int) -> None:
+    """Until the server is done with `rpcs` more calls than `before` and the engine with their requests."""
+    _until(lambda: _handled(server) >= before + rpcs, f"{rpcs} calls handled")
+    _until(lambda: server.gen.engine.idle and server.gen.scheduler.kv.used == 0, "the engine idle")
+
+
 @pytest.fixture(scope="module")
 def watched(start_server):
     """A tiny-model server whose loop runs in debug mode; the test says what traffic it gets."""
@@ -26,11 +45,12 @@ def test_the_watch_sees_a_blocking_callback(watched):
     """The helper itself: a callback that sleeps on the loop is reported."""
     with slow_callbacks(watched.loop) as slow:
         watched.loop.call_soon_threadsafe(time.sleep, 0.25)
-        time.sleep(0.5)
+        _until(lambda: slow, "asyncio's report of the blocking callback")
     assert len(slow) == 1 and "took 0.2" in slow[0], slow
 
 
 def test_plain_traffic_never_blocks_the_loop(watched):
+    before = _handled(watched)
     with slow_callbacks(watched.loop) as slow, watched.channel() as ch:
         stub = pb_grpc.GeneratorStub(ch)
         stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
@@ -44,11 +64,12 @@ def test_plain_traffic_never_blocks_the_loop(watched):
             list(stub.GenerateStream(request("Once", max_new_tokens=2000, ignore_eos=True), timeout=0.2))
         with pytest.raises(grpc.RpcError):
             stub.Generate(request("x", temperature=float("inf")), timeout=10)
-        time.sleep(0.3)  # the cancelled calls' cleanup runs on the loop too
+        _settled(watched, before, 7)  # the cancelled calls' cleanup runs on the loop too
     assert not slow, slow
 
 
 def test_session_turns_never_block_the_loop(watched):
+    before = _handled(watched)
     with slow_callbacks(watched.loop) as slow, watched.channel() as ch:
         stub = pb_grpc.GeneratorStub(ch)
         sid = stub.CreateSession(pb.CreateSessionRequest(), timeout=10).session_id
@@ -60,5 +81,5 @@ def test_session_turns_never_block_the_loop(watched):
             call.cancel()
             stub.Generate(turn("And?", max_new_tokens=4), timeout=30)
         stub.CloseSession(pb.CloseSessionRequest(session_id=sid), timeout=10)
-        time.sleep(0.3)
+        _settled(watched, before, 9)  # the cancelled turns' cleanup too
     assert not slow, slow

@@ -12,7 +12,6 @@ import urllib.request
 from pathlib import Path
 
 import grpc
-import pytest
 
 from kvgen import client
 from kvgen.client import Client
@@ -66,8 +65,13 @@ def test_make_serve_streams_tokens():
         stop_group(proc)
 
 
+def _gauge(metrics_port: int, name: str) -> float:
+    page = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return float(next(line.split()[1] for line in page.splitlines() if line.startswith(name + " ")))
+
+
 def test_sigterm_drains_in_flight_streams():
-    proc, target, _ = start([sys.executable, "-m", "kvgen.service.server"], GRACE_S="30")
+    proc, target, metrics = start([sys.executable, "-m", "kvgen.service.server"], GRACE_S="30")
     try:
         client = Client(target)
         got: dict = {}
@@ -85,10 +89,16 @@ def test_sigterm_drains_in_flight_streams():
         t.start()
         assert running.wait(60)  # the stream is running (its first tokens arrived)
         proc.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        with pytest.raises(grpc.RpcError) as e:  # a call after SIGTERM is refused
-            client.generate("hi", max_new_tokens=1, timeout=10)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 30
+        while True:  # until a call is refused: the drain has begun (the stub: no retries)
+            try:
+                client.stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_new_tokens=1)),
+                                     timeout=10)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                break
+            assert time.monotonic() < deadline, "calls were still served 30 s after SIGTERM"
+        assert _gauge(metrics, "kvgen_requests_running") == 1  # and the stream is still generating
         t.join(60)
         assert got == {"tokens": 60, "reason": pb.FINISH_REASON_LENGTH}  # the in-flight one finished
         assert proc.wait(30) == 0

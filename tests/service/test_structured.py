@@ -57,20 +57,37 @@ def test_a_session_turn_takes_a_constraint(stub):
 
 
 def test_sampling_controls_reach_the_engine(stub):
-    base = stub.Generate(request("The capital of France is", temperature=0, max_new_tokens=4))
-    banned = base.token_ids[0]
-    r = stub.Generate(request("The capital of France is", temperature=0, max_new_tokens=4,
-                              logit_bias={banned: -100.0}))
-    assert r.token_ids[0] != banned
-    eos = stub.GetModelInfo(pb.GetModelInfoRequest()).eos_token_ids
+    """Each control changes what the model says. Greedily it answers " Paris.\n\n", repeating "\n";
+    the variants run side by side, in one BatchGenerate."""
+    eos = list(stub.GetModelInfo(pb.GetModelInfoRequest()).eos_token_ids)
+    first_eos = {t: 100.0 for t in eos}  # the model's EOS, first
+    forced, hot = 1000, dict(temperature=1.0, seed=1)
+    variants = {"greedy": dict(temperature=0), "forced": dict(temperature=0, logit_bias={forced: 100.0}),
+                "repetition": dict(temperature=0, repetition_penalty=1.3),
+                "presence": dict(temperature=0, presence_penalty=2.0),
+                "frequency": dict(temperature=0, frequency_penalty=2.0),
+                "hot": hot, "hot again": hot, "top_k": dict(hot, top_k=1), "top_p": dict(hot, top_p=0.01),
+                "min_p": dict(hot, min_p=1.0), "eos": dict(temperature=0, logit_bias=first_eos),
+                "min_new_tokens": dict(temperature=0, logit_bias=first_eos, min_new_tokens=3)}
+    batch = stub.BatchGenerate(pb.BatchGenerateRequest(requests=[
+        request("The capital of France is", max_new_tokens=4, **kw) for kw in variants.values()]))
+    out = {name: res.response for name, res in zip(variants, batch.results, strict=True)}
+    ids = {name: list(r.token_ids) for name, r in out.items()}
+    greedy = ids["greedy"]
+    assert greedy[2] == greedy[3] and forced not in greedy
+    assert ids["forced"] == [forced] * 4
+    for penalty in ("repetition", "presence", "frequency"):
+        assert ids[penalty][:3] == greedy[:3] and ids[penalty][3] != greedy[3], penalty  # the repeat turned away
+    assert ids["hot"] != greedy and ids["hot again"] == ids["hot"]  # sampled, and the seed repeats it
+    for cut in ("top_k", "top_p", "min_p"):  # each keeps only the top token
+        assert ids[cut] == greedy, cut
+    assert ids["eos"] == eos[:1] and out["eos"].finish_reason == STOP
+    r = ids["min_new_tokens"]  # no EOS before 3 tokens, then at once
+    assert len(r) == 4 and r[3] in eos and not set(r[:3]) & set(eos) and out["min_new_tokens"].finish_reason == STOP
     r = stub.Generate(request(ASK, temperature=0, max_new_tokens=12, min_new_tokens=12, choice=pb.ChoiceList(
         choices=["yes"])))
     assert r.text == "yes"  # a complete constraint wins over min_new_tokens
-    r = stub.Generate(request([{"role": "user", "content": "Say hi."}], temperature=0, max_new_tokens=40,
-                              min_new_tokens=40))
-    assert len(r.token_ids) == 40 and not set(r.token_ids) & set(eos)
-    r = stub.Generate(request("One two three", temperature=0, max_new_tokens=3, prompt_logprobs=2, min_p=0.1,
-                              presence_penalty=0.5, frequency_penalty=0.5))
+    r = stub.Generate(request("One two three", temperature=0, max_new_tokens=3, prompt_logprobs=2))
     assert len(r.prompt_logprobs) == r.usage.prompt_tokens and r.usage.cached_tokens == 0
     assert r.prompt_logprobs[0].logprob == 0 and not r.prompt_logprobs[0].top  # the first token has none
     assert all(p.logprob < 0 and len(p.top) == 2 for p in r.prompt_logprobs[1:])

@@ -67,21 +67,44 @@ def test_a_client_that_hangs_up_on_a_whole_reply_cancels_it(http_server, model):
 @pytest.mark.timeout(120)
 def test_drain_lets_a_stream_finish_and_refuses_new_connections(tiny_pair):
     srv = ServerThread(Generator(*tiny_pair, EngineOptions(kv_cache_mb=16)), http_port=free_port())  # stopped here
-    port, name = srv.server.http.port, srv.gen.cfg.name
+    port, name, engine = srv.server.http.port, srv.gen.cfg.name, srv.gen.engine
+    # the engine waits in its steps while `go` is clear: the stream is held mid-flight as the drain begins
+    go, held, at = threading.Event(), threading.Event(), []
+    go.set()
+    listeners = engine.on_step
+
+    def on_step(batch, seconds):
+        if listeners:
+            listeners(batch, seconds)
+        if not go.is_set():
+            at.extend(len(seq.output_ids) for seq, _ in batch)  # tokens the stream had, this step not yet sampled
+            held.set()
+            go.wait(30)
+
+    engine.on_step = on_step
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    conn.request("POST", "/v1/completions", json.dumps({"model": name, "prompt": "Once upon a time", "stream": True,
-                                                         "max_tokens": 600, "ignore_eos": True}),
-                 {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", json.dumps({
+        "model": name, "prompt": "Once upon a time", "stream": True, "stream_options": {"include_usage": True},
+        "max_tokens": 600, "ignore_eos": True}), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
     first = resp.readline()
-    assert first.startswith(b"data: {")
+    assert first.startswith(b"data: {") and json.loads(first[6:])["choices"][0]["finish_reason"] is None
+    go.clear()
+    assert held.wait(10) and len(at) == 1 and at[0] < 600  # the stream is running, with tokens to go
     drained = threading.Thread(target=srv.stop)  # drain (grace 5 s), then the loop ends
     drained.start()
+    deadline = time.monotonic() + 10
+    while not srv.server.http.routes.draining and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert srv.server.http.routes.draining and drained.is_alive()  # the drain began, the stream still open
+    go.set()
     rest = resp.read().decode()  # the stream runs to its end
+    conn.close()
     events = [line[6:] for line in (first.decode() + rest).splitlines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
-    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(events[-3])["choices"][0]["finish_reason"] == "length"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 600
     drained.join(30)
     with pytest.raises(ConnectionError):
         socket.create_connection(("127.0.0.1", port), timeout=5)

@@ -51,13 +51,28 @@ def test_a_streamed_guided_choice(client, model):
 
 
 def test_sampling_extensions_are_taken(client, model):
-    kw = dict(model=model, prompt="Once upon a time", max_tokens=6, temperature=0)
-    base = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
-    shaped = client.completions.create(**kw, extra_body={"top_k": 1, "min_p": 0.5, "repetition_penalty": 1.0,
-                                                         "ignore_eos": True})
-    assert shaped.choices[0].text == base  # greedy stays greedy under filters that keep the top token
-    r = client.completions.create(**kw, extra_body={"min_tokens": 6, "logit_bias": {}})
-    assert r.usage.completion_tokens == 6
+    """Each of vLLM's extensions changes what the tiny model says (greedily, it repeats the prompt's
+    last token, "er", far ahead of every other)."""
+    def complete(**extra):
+        return client.completions.create(model=model, prompt="Once upon a time there was a lighthouse keeper",
+                                         max_tokens=6, extra_body=extra).choices[0]
+
+    greedy = complete(temperature=0, ignore_eos=True).text
+    assert greedy == "er" * 6
+    hot = dict(temperature=5.0, seed=2, ignore_eos=True)  # hot enough to wander off the top token
+    assert complete(**hot).text != greedy
+    assert complete(**hot, top_k=1).text == greedy  # top_k / min_p cut all but the top token
+    assert complete(**hot, min_p=0.5).text == greedy
+    assert not complete(temperature=0, ignore_eos=True, repetition_penalty=5.0).text.startswith("er")
+    stopped = complete(temperature=0, stop_token_ids=[264])  # "er"'s id
+    assert (stopped.text, stopped.finish_reason) == ("", "stop")
+    eos = {"2": 100}  # <|im_end|>, the tiny model's EOS, first
+    r = complete(temperature=0, logit_bias=eos)
+    assert (r.text, r.finish_reason) == ("", "stop")
+    r = complete(temperature=0, logit_bias=eos, min_tokens=3)  # no EOS before 3 tokens, then at once
+    assert (r.text, r.finish_reason) == ("er" * 3, "stop")
+    r = complete(temperature=0, logit_bias=eos, ignore_eos=True)
+    assert r.finish_reason == "length"
 
 
 @pytest.mark.parametrize(("extra", "param"), [
