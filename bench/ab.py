@@ -27,7 +27,10 @@ CACHE = ROOT / "bench" / ".cache" / "ab"
 MEASURE = r"""
 import json, sys
 import torch
-from kvgen.engine import model_files
+try:
+    from kvgen.engine import model_files
+except ImportError:  # a revision before the module's rename (loader.py)
+    from kvgen.engine import loader as model_files
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.sampling import SamplingParams
 
@@ -36,7 +39,7 @@ greedy = lambda n: SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=Tr
 opts = EngineOptions(weight_dtype=weights)
 if hasattr(opts, "prefix_cache"):  # measure the engine, not the cache: the prompt repeats
     opts.prefix_cache = False
-gen = Generator(*load_model(loader.embedded_model_path(), weights), opts)
+gen = Generator(*load_model(model_files.embedded_model_path(), weights), opts)
 gen.generate(prompt[:32], greedy(4))  # warm-up
 prefill = max(len(prompt) / (gen.generate(prompt, greedy(1)).timings["time_to_first_token_ms"] / 1e3)
               for _ in range(repeats))

@@ -207,9 +207,11 @@ _GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight",
 
 
 def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer, qtype=None,
-               chat_template: str | None = CHATML_TEMPLATE, arch: str | None = None) -> None:
+               chat_template: str | None = CHATML_TEMPLATE, arch: str | None = None,
+               types: dict | None = None) -> None:
     """A GGUF as llama.cpp's converter writes one: metadata, gpt2 tokenizer, permuted q/k (llama),
-    2-D weights in `qtype` (default F32), 1-D tensors in F32."""
+    2-D weights in `qtype` (default F32) or the type `types` gives their HF name (a mixture, as
+    llama-quantize writes), 1-D tensors in F32."""
     import json
 
     import gguf
@@ -260,9 +262,10 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokeniz
             gname = {"model.embed_tokens.weight": "token_embd.weight",
                      "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}[name]
         a = np.ascontiguousarray(a)
-        if a.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            data = gguf_quantize(a, qtype)
-            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=qtype)
+        t = (types or {}).get(name, qtype)
+        if a.ndim == 2 and t != gguf.GGMLQuantizationType.F32:
+            data = gguf_quantize(a, t)
+            w.add_tensor(gname, data, raw_shape=data.shape, raw_dtype=t)
         else:
             w.add_tensor(gname, a)
     w.write_header_to_file()

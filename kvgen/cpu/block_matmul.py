@@ -2,7 +2,9 @@
 rounded to int16 per block of 32 (vector_matmul's rule), then the products on AMX tiles for a call
 of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vector_matmul's vector
 kernels.
-Both give every row the same bits, so which one ran never shows in a row's output."""
+Both give every row the same bits, so which one ran never shows in a row's output. The kinds with
+no tile kernels (q8m, q8h, q8hm: weight_blocks.BLOCK_TYPES) run on the vector kernels at every
+row count."""
 
 from __future__ import annotations
 
@@ -35,3 +37,27 @@ def q8_linear(x, qs, d, y, room):  # pragma: no cover - compiled
         amx_matmul.q8_matmul(xq, dx, qs, d, y)
     else:
         vector_matmul.q8_matmul(xq, dx, qs, d, y)
+
+
+# The kinds below have no tile kernels: they run on the vector kernels at every row count.
+
+@njit(cache=True, nogil=True)
+def q8m_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
+    """y = x W^T for int8 codes with a scale and a minimum per block (Q5_1, Q5_K)."""
+    xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q8m_matmul(xq, dx, xs, qs, d, m, y)
+
+
+@njit(cache=True, nogil=True)
+def q8h_linear(x, qs, d, y, room):  # pragma: no cover - compiled
+    """y = x W^T for int8 codes with a scale per 16 inputs (Q6_K, Q3_K)."""
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q8h_matmul(xq, dx, qs, d, y)
+
+
+@njit(cache=True, nogil=True)
+def q8hm_linear(x, qs, d, m, y, room, sums):  # pragma: no cover - compiled
+    """y = x W^T for int8 codes with a scale and a minimum per 16 inputs (Q2_K); sums: a flat
+    float32 scratch of M K / 16 for x's sums per 16 inputs."""
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q8hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, d, m, y)

@@ -1,4 +1,5 @@
-"""Numba CPU kernels: y = x W^T with W in GGUF's own blocks (Q4_0 / Q4_1 / Q8_0).
+"""Numba CPU kernels: y = x W^T with W in GGUF's own blocks (Q4_0 / Q4_1 / Q8_0, and the other types
+weight_blocks.BLOCK_TYPES lists, as the codes and float32 scales that reproduce them exactly).
 
 At batch 1 a decode step reads every weight once, so its speed is the weights' bytes over the
 memory bandwidth, if the multiply keeps up: Q4_1 is 5 bits a weight against fp32's 32. Converting
@@ -22,7 +23,15 @@ broadcast:
     q4: qs [N/TILE, G, 8, TILE, 2] uint8: byte (p, c, e) holds input 2p+e of row c (low nibble)
         and input 2p+e+16 (high); value = d * q + m (Q4_0: m = -8 d)
     q8: qs [N/TILE, G, 16, TILE, 2] int8: byte (p, c, e) holds input 2p+e; value = d * q
-    d, m: [N/TILE, G, TILE] float32;  xq [M, K] int16;  dx, xs [M, G] float32;  y [M, N] float32
+    q8m: q8's codes; value = d * q + m (Q5_1, Q5_K: 5-bit codes with a minimum)
+    q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (Q6_K, Q3_K)
+    q8hm: q8h with a minimum per 16 inputs too: value = d[h] * q + m[h] (Q2_K)
+    d, m: [N/TILE, G, TILE] float32 ([N/TILE, G, 2, TILE] for q8h, q8hm);  xq [M, K] int16;
+    dx, xs [M, G] float32 (xs [M, 2G] for q8hm: per 16 inputs);  y [M, N] float32
+
+Every kind's epilogue is one expression per block, in this order: d[0] (dx dot[0]) (+ m[0] xs[0])
+(+ d[1] (dx dot[1]) (+ m[1] xs[1])), added to the row's sum; dot[h] is the exact integer dot of
+half h's codes (q8h, q8hm: the pairs p < 8 and p >= 8 apart), or of the whole block.
 
 A tile's loop over the blocks is written in LLVM IR (`_tile_linear`), since Numba has no vector
 types: pmaddwd as the AVX-512 (16 rows a vector) or AVX2 (8) intrinsic where the CPU has it, else
@@ -113,15 +122,23 @@ def _pair(builder, x, index):
     return builder.bitcast(builder.shuffle_vector(v, v, vector(I32, [0] * LANES)), WORDS)
 
 
+# kind: (code pairs a block (a pair of bytes a row: q4 nibbles hold 4 inputs, q8 bytes 2), scales a
+# block (1, or 2: one per 16 inputs), a minimum term m xs)
+KINDS = {"q4": (8, 1, True), "q8": (16, 1, False), "q8m": (16, 1, True), "q8h": (16, 2, False),
+         "q8hm": (16, 2, True)}
+
+
 def _tile_linear(kind: str, rows: int):
     """An intrinsic: y[r, c] = sum over blocks g of d[c, g] (dx[r, g] dots[r, c, g]) + m[c, g] xs[r, g]
     for `rows` activation rows r and the TILE weight rows c of one tile, where dots is a block's
-    exact int32 dot product of codes and rounded activations. The sum runs over g in order, in
-    registers, LANES weight rows at a time: each row's sum is the same whatever the other rows.
+    exact int32 dot product of codes and rounded activations (for a kind with a scale per 16
+    inputs, each half's own dot, scale and minimum, the halves added in order). The sum runs
+    over g in order, in registers, LANES weight rows at a time: each row's sum is the same
+    whatever the other rows.
     Arguments (arrays flat): codes, the tile's first code; groups; xq, row 0's first input, the
     distance between activation rows; dx, xs, row 0's first block; d, m, the tile's first scale;
     y, row 0's first output, the distance between output rows."""
-    pairs = 8 if kind == "q4" else 16
+    pairs, halves, has_min = KINDS[kind]
     names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "d", "m", "dbase", "y", "ybase",
              "ystride")
 
@@ -155,21 +172,32 @@ def _tile_linear(kind: str, rows: int):
                                                                  _pair(builder, xs[i], 8 + p))
                         else:
                             w = builder.sext(w, WORDS)
+                            # two halves: chains 0, 1 sum inputs 0-15 (p < 8), chains 2, 3 inputs 16-31
+                            c = p % 4 if halves == 1 else p % 2 + 2 * (p // 8)
                             for i in range(rows):
-                                chains[i][p % 4] = _madd_add(builder, chains[i][p % 4], w, _pair(builder, xs[i], p))
-                    dots = [add_all(builder, c) for c in chains]
-                    col = (a["dbase"], builder.mul(g, i64(TILE)), i64(cg * LANES))
-                    d = builder.load(builder.bitcast(at(a["d"], *col), FLOATS.as_pointer()), align=4)
-                    m = builder.load(builder.bitcast(at(a["m"], *col), FLOATS.as_pointer()), align=4) \
-                        if kind == "q4" else None
+                                chains[i][c] = _madd_add(builder, chains[i][c], w, _pair(builder, xs[i], p))
+                    dots = [[add_all(builder, c)] if halves == 1 else [add_all(builder, c[:2]), add_all(builder, c[2:])]
+                            for c in chains]
+                    scales = []
+                    for h in range(halves):
+                        col = (a["dbase"], builder.mul(g, i64(halves * TILE)), i64(h * TILE + cg * LANES))
+                        d = builder.load(builder.bitcast(at(a["d"], *col), FLOATS.as_pointer()), align=4)
+                        m = builder.load(builder.bitcast(at(a["m"], *col), FLOATS.as_pointer()), align=4) \
+                            if has_min else None
+                        scales.append((d, m))
                     for i in range(rows):
                         block = (a["sbase"], builder.mul(a["groups"], i64(i)), g)
                         # d (dx dots) + m xs, in that order: plain fmul and fadd, which LLVM
                         # fuses into no multiply-add without fast-math flags (see below)
-                        term = builder.fmul(d, builder.fmul(splat(builder, at(a["dx"], *block)),
-                                                            builder.sitofp(dots[i], FLOATS)))
-                        if kind == "q4":
-                            term = builder.fadd(term, builder.fmul(m, splat(builder, at(a["xs"], *block))))
+                        term = None
+                        for h, (d, m) in enumerate(scales):
+                            t = builder.fmul(d, builder.fmul(splat(builder, at(a["dx"], *block)),
+                                                             builder.sitofp(dots[i][h], FLOATS)))
+                            if has_min:  # xs per block, or (q8hm) per half: [M, 2G]
+                                x_at = at(a["xs"], *block) if halves == 1 else \
+                                    at(a["xs"], builder.mul(add_all(builder, block), i64(2)), i64(h))
+                                t = builder.fadd(t, builder.fmul(m, splat(builder, x_at)))
+                            term = t if term is None else builder.fadd(term, t)
                         builder.store(builder.fadd(builder.load(total[i]), term), total[i])
                 for i in range(rows):
                     out = at(a["y"], a["ybase"], builder.mul(a["ystride"], i64(i)), i64(cg * LANES))
@@ -183,6 +211,9 @@ def _tile_linear(kind: str, rows: int):
 
 _q4_1, _q4_2, _q4_3, _q4_4 = (_tile_linear("q4", n) for n in range(1, ROWS_AT_ONCE + 1))
 _q8_1, _q8_2, _q8_3, _q8_4 = (_tile_linear("q8", n) for n in range(1, ROWS_AT_ONCE + 1))
+_q8m_1, _q8m_2, _q8m_3, _q8m_4 = (_tile_linear("q8m", n) for n in range(1, ROWS_AT_ONCE + 1))
+_q8h_1, _q8h_2, _q8h_3, _q8h_4 = (_tile_linear("q8h", n) for n in range(1, ROWS_AT_ONCE + 1))
+_q8hm_1, _q8hm_2, _q8hm_3, _q8hm_4 = (_tile_linear("q8hm", n) for n in range(1, ROWS_AT_ONCE + 1))
 
 
 # No fastmath in what follows: with it LLVM may fuse a multiply-add either way and reorder sums,
@@ -325,6 +356,42 @@ def _q8_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y
 
 
 @njit(nogil=True, inline="always")
+def _q8m_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
+    if n == 4:
+        _q8m_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    elif n == 3:
+        _q8m_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    elif n == 2:
+        _q8m_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    else:
+        _q8m_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+
+
+@njit(nogil=True, inline="always")
+def _q8h_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
+    if n == 4:
+        _q8h_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    elif n == 3:
+        _q8h_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    elif n == 2:
+        _q8h_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    else:
+        _q8h_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+
+
+@njit(nogil=True, inline="always")
+def _q8hm_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
+    if n == 4:
+        _q8hm_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    elif n == 3:
+        _q8hm_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    elif n == 2:
+        _q8hm_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    else:
+        _q8hm_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+
+
+@njit(nogil=True, inline="always")
 def check_shapes(xq, dx, qs, pairs, d, y):  # pragma: no cover - compiled
     """The intrinsics read and write through raw pointers: shapes and layouts are checked before,
     not trusted."""
@@ -368,3 +435,86 @@ def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
             for r0 in range(0, rows, ROWS_AT_ONCE):
                 _q8_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
                          r0 * groups, df, df, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(nogil=True, inline="always")
+def check_halves(xq, dx, qs, d, y):  # pragma: no cover - compiled
+    """check_shapes for int8 codes with a scale per 16 inputs: d [N/TILE, G, 2, TILE]."""
+    tiles, groups = qs.shape[0], qs.shape[1]
+    if qs.shape[2] != 16 or qs.shape[3] != TILE or qs.shape[4] != 2 or xq.shape[1] != groups * 32 \
+            or y.shape[1] < tiles * TILE or y.shape[0] != xq.shape[0] \
+            or dx.shape != (xq.shape[0], groups) or d.shape != (tiles, groups, 2, TILE) \
+            or not (xq.flags.c_contiguous and dx.flags.c_contiguous and qs.flags.c_contiguous
+                    and d.flags.c_contiguous and y.flags.c_contiguous):
+        raise ValueError("block matmul: mismatched shapes")
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8m_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
+    """q8 codes with q4's minimum term (Q5_1, Q5_K): the arguments of q4_matmul."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 16, d, y)
+    check_shapes(xq, xs, qs, 16, m, y)
+    codes, xf, dxf, xsf, df, mf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        d.reshape(-1), m.reshape(-1), y.reshape(-1)
+    per_tile = codes.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q8m_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
+                          r0 * groups, df, mf, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8h_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
+    """q8 codes with a scale per 16 inputs (Q6_K, Q3_K): d [N/TILE, G, 2, TILE]."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_halves(xq, dx, qs, d, y)
+    codes, xf, dxf, df, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), d.reshape(-1), y.reshape(-1)
+    per_tile = codes.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q8h_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
+                          r0 * groups, df, df, t * groups * 2 * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8hm_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
+    """q8h with a minimum per 16 inputs too (Q2_K): d, m [N/TILE, G, 2, TILE], xs [M, 2G] the
+    sums of x per 16 inputs (half_sums)."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_halves(xq, dx, qs, d, y)
+    check_halves(xq, dx, qs, m, y)
+    if xs.shape != (rows, 2 * groups) or not xs.flags.c_contiguous:
+        raise ValueError("block matmul: mismatched shapes")
+    codes, xf, dxf, xsf, df, mf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        d.reshape(-1), m.reshape(-1), y.reshape(-1)
+    per_tile = codes.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q8hm_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
+                           r0 * groups, df, mf, t * groups * 2 * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(cache=True, nogil=True)
+def half_sums(x, xs):  # pragma: no cover - compiled
+    """xs [M, 2G] (a flat scratch's front, returned shaped): x's sums per 16 inputs, each added
+    left to right (no fastmath: the same additions in every build), for q8hm's minimum terms."""
+    rows, halves = x.shape[0], x.shape[1] // 16
+    x = np.ascontiguousarray(x)
+    xs = xs[:rows * halves].reshape((rows, halves))
+    for r in range(rows):
+        for h in range(halves):
+            s = np.float32(0.0)
+            for i in range(16 * h, 16 * h + 16):
+                s += x[r, i]
+            xs[r, h] = s
+    return xs

@@ -62,6 +62,7 @@ class FusedDecode:
         return (model.device.type == "cpu" and model.weight_dtype == "gguf"
                 and all(isinstance(lin, BlockLinear) and lin.kind == "q4" and lin.b is None for lin in lins)
                 and isinstance(model.lm_head, BlockLinear) and model.lm_head.b is None
+                and model.lm_head.kind in ("q4", "q8")  # the step's head call takes these two
                 and _supports_kv(fmt, model.cfg.head_dim)
                 and model.cfg.hidden_size % GROUP == 0 and model.cfg.intermediate_size % GROUP == 0)
 

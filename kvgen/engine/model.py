@@ -197,8 +197,9 @@ def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: dict |
     if weight_dtype == "auto":
         return "gguf" if device.type == "cpu" and blocks else "fp32"
     if weight_dtype == "gguf" and not blocks:
-        raise ValueError("weight dtype 'gguf' keeps a GGUF file's Q4_0 / Q4_1 / Q8_0 blocks, and this "
-                         "model has none; use auto, fp32, bf16, int8 or int4")
+        raise ValueError("weight dtype 'gguf' keeps a GGUF file's quantized blocks (Q4_0 ... Q6_K: "
+                         "kvgen/cpu/weight_blocks.py's BLOCK_TYPES), and this model has none; use auto, fp32, "
+                         "bf16, int8 or int4")
     return weight_dtype
 
 

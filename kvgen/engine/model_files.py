@@ -2,8 +2,9 @@
 
 Weights come out as one dict of float32 tensors under HF names
 (`model.layers.0.self_attn.q_proj.weight`...), so the model has one loading path. A GGUF's
-Q4_0 / Q4_1 / Q8_0 tensors also come out as their blocks (kvgen/cpu/weight_blocks.py), under the same names in
-the source dict's "blocks", for WEIGHT_DTYPE=gguf.
+tensors of the types kvgen/cpu/weight_blocks.py's BLOCK_TYPES lists (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+Q5_K, Q6_K, Q3_K, Q2_K, Q8_0, IQ4_NL, IQ4_XS) also come out as their blocks, under the same names
+in the source dict's "blocks", for WEIGHT_DTYPE=gguf (and auto on the CPU).
 """
 
 from __future__ import annotations

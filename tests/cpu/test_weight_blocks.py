@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
 import gguf
 import numpy as np
@@ -14,18 +10,50 @@ import pytest
 import torch
 
 from kvgen.cpu import features
-from kvgen.cpu.weight_blocks import GROUP, BlockLinear, WeightBlocks
+from kvgen.cpu.weight_blocks import BLOCK_TYPES, GROUP, BlockLinear, WeightBlocks
 from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
+from tests.cpu.isa_build import run_in_build
 from tests.engine.test_model_files import all_logits, bpe, chunkings, gguf_base, logits_at_chunk_ends, token_sequences  # noqa: F401  (fixtures)
 from tests.tiny import write_gguf
 
 Q = gguf.GGMLQuantizationType
-TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # the types whose kinds (q4, q8) have tile kernels too (test_amx_matmul.py)
+# every type kept in blocks (weight_blocks.BLOCK_TYPES): q4, q8, then q8m, q8h, q8hm
+ALL_TYPES = (*TYPES, Q.Q4_K, Q.Q5_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K)
+# gguf-py writes these; the others' bytes are made at random (random_blocks)
+GGUF_PY_WRITES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1)
+# A random block's fp16 fields: byte offset and magnitude (the weights come out about 0.1 to 0.3)
+FP16_FIELDS = {Q.Q4_0: ((0, 2e-2),), Q.Q4_1: ((0, 2e-2), (2, 0.1)), Q.Q8_0: ((0, 2e-3),),
+               Q.Q4_K: ((0, 2e-4), (2, 1e-3)), Q.Q5_0: ((0, 1e-2),), Q.IQ4_NL: ((0, 2e-3),),
+               Q.IQ4_XS: ((0, 5e-5),), Q.Q5_1: ((0, 5e-3), (2, 0.1)), Q.Q5_K: ((0, 1e-4), (2, 1e-3)),
+               Q.Q6_K: ((208, 5e-5),), Q.Q3_K: ((108, 2e-3),), Q.Q2_K: ((80, 4e-3), (82, 4e-3))}
+
+
+def width(qtype, k: int) -> int:
+    """k for the types of 32-input blocks; for those of 256 (the K-quants, IQ4_XS) k rounded up to
+    whole super-blocks, two at least."""
+    return k if gguf.GGML_QUANT_SIZES[qtype][0] == GROUP else max(512, -(-k // 256) * 256)
+
+
+def random_blocks(qtype, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Valid blocks for an [n, k] weight made as bytes: every code, packed scale and bit at random,
+    the fp16 scales random of either sign in a sane range (FP16_FIELDS)."""
+    rng = np.random.default_rng(seed)
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+    for at, scale in FP16_FIELDS[qtype]:
+        v = (rng.uniform(0.25, 1, raw.shape[:2]) * rng.choice([-1, 1], raw.shape[:2]) * scale).astype(np.float16)
+        raw[..., at:at + 2] = v[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
 
 
 def quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(raw bytes [n, k/32 * block bytes], what gguf-py dequantizes them to [n, k])."""
+    """(raw bytes [n, k/32 * block bytes], what gguf-py dequantizes them to [n, k]): gguf-py's
+    quantization of a random weight where gguf-py writes the type, else random_blocks."""
+    if qtype not in GGUF_PY_WRITES:
+        raw = random_blocks(qtype, n, k, seed)
+        return raw, gguf.quants.dequantize(raw, qtype).reshape(n, k)
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
     w[:, :32] += 0.3  # blocks whose minimum is well above zero (Q4_1's m term)
@@ -33,12 +61,34 @@ def quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndar
     return raw, gguf.quants.dequantize(raw, qtype).reshape(n, k)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+def test_the_table_lists_the_types_tested():
+    assert set(BLOCK_TYPES) == {q.name for q in ALL_TYPES}
+    for q in ALL_TYPES:
+        _, size, per = BLOCK_TYPES[q.name]
+        assert (per, size) == gguf.GGML_QUANT_SIZES[q]
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_blocks_dequantize_as_gguf_py(qtype):
-    raw, ref = quantized(qtype, 40, 96)
+    k = width(qtype, 96)
+    raw, ref = quantized(qtype, 40, k)
     b = WeightBlocks.from_gguf(qtype.name, raw)
-    assert b.shape == (40, 96)
+    assert b.shape == (40, k) and b.kind == BLOCK_TYPES[qtype.name][0]
     assert torch.equal(b.dequantize(), torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_random_blocks_dequantize_as_gguf_py(qtype):
+    """Every bit of a block at random (codes, packed sub-block scales, high bits): each weight is
+    the blocks' integer code times their float32 scales (plus the minimum), gguf-py's value
+    exactly; the codes fit their kind (nibbles, or int8)."""
+    k = width(qtype, 1024)
+    raw = random_blocks(qtype, 64, k, seed=7)
+    b = WeightBlocks.from_gguf(qtype.name, raw)
+    assert torch.equal(b.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(64, k)))
+    assert b.qs.dtype == (torch.uint8 if b.kind == "q4" else torch.int8)
+    halves = b.kind in ("q8h", "q8hm")  # a scale per 16 inputs
+    assert b.d.dtype == torch.float32 and b.d.shape == ((64, k // 32, 2) if halves else (64, k // 32))
 
 
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
@@ -52,26 +102,29 @@ def int16_activations(x: torch.Tensor) -> torch.Tensor:
 
 def expected(qtype, raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     """x W^T of the dequantized weight as the kernels define it, in float64: d * q times the
-    int16-rounded activations, plus each block's m (Q4) times the block's sum of x itself."""
+    int16-rounded activations, plus each block's m (q4, q8m) times the block's sum of x itself
+    (q8h, q8hm: a d and an m per 16 inputs, m times the 16 inputs' sum of x)."""
     n, k = raw.shape[0], x.shape[1]
     b = WeightBlocks.from_gguf(qtype.name, raw)
     xr = int16_activations(x)
-    if b.kind == "q8":
-        return xr @ (b.qs.double() * b.d.double()[..., None]).reshape(n, k).T
-    q = torch.cat((b.qs & 15, b.qs >> 4), -1).double()
-    y = xr @ (q * b.d.double()[..., None]).reshape(n, k).T
-    return y + x.double().reshape(x.shape[0], -1, GROUP).sum(-1) @ b.m.double().T
+    q = torch.cat((b.qs & 15, b.qs >> 4), -1).double() if b.kind == "q4" else b.qs.double()
+    per = 16 if b.d.dim() == 3 else GROUP  # inputs a scale
+    y = xr @ (q.reshape(n, -1, per) * b.d.double().reshape(n, -1)[..., None]).reshape(n, k).T
+    if b.m is None:
+        return y
+    return y + x.double().reshape(x.shape[0], -1, per).sum(-1) @ b.m.double().reshape(n, -1).T
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9, 32, 37])
 def test_kernels_multiply_int16_activations_exactly(qtype, rows):
     """However many rows, the kernels compute x W^T with the activations rounded to int16 per
     block and nothing else lost (integer sums; the fp32 scaling, where Q4_0's m = -8 d cancels most of
     the d q term, to 3e-5); that stays within the rounding's
     bound of the fp32 matmul. 72 output rows is not a whole number of tiles (the kernel pads)."""
-    raw, ref = quantized(qtype, 72, 160, seed=rows)
-    x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+    k = width(qtype, 160)
+    raw, ref = quantized(qtype, 72, k, seed=rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     bias = torch.randn(72)
     got = BlockLinear(WeightBlocks.from_gguf(qtype.name, raw), bias)(x)
     assert got.shape == (rows, 72) and got.dtype == torch.float32
@@ -80,17 +133,29 @@ def test_kernels_multiply_int16_activations_exactly(qtype, rows):
     assert ((got - (x @ torch.from_numpy(ref).T + bias)).abs() <= bound + 1e-5).all()
 
 
+def kernel_outputs() -> list[torch.Tensor]:
+    """Every type's BlockLinear at 1, 9 and 40 rows: what the builds for each ISA must agree on."""
+    out = []
+    for q in ALL_TYPES:
+        k = width(q, 160)
+        x = torch.randn(40, k, generator=torch.Generator().manual_seed(9))
+        lin = BlockLinear(WeightBlocks.from_gguf(q.name, quantized(q, 72, k)[0]), None)
+        out += [lin(x[:r]) for r in (1, 9, 40)]
+    return out
+
+
 PATHS = {"amx": ("+amx-int8", (True, True, True, False)), "avx512": ("+avx512vnni", (True, True, False, False)),
          "avx2": ("+avx512bw", (True, False, False, False)), "portable": ("+avx2", (False, False, False, False))}
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("path", PATHS)
 def test_every_kernel_path_gives_the_same_bits(path):
     """With AMX-INT8 a call of AMX_FROM (12) rows or more runs on tiles (amx_matmul.py), with AVX512-VNNI
     the kernels call vpdpwssd, with AVX-512 the 512-bit pmaddwd, with AVX2 the 256-bit one,
     elsewhere LLVM lowers a portable multiply-add. All sum the same integers and scale them by
     the same float operations: a build for this CPU without the feature (NUMBA_CPU_FEATURES, in a
-    process with a cache of its own) gives bit-identical outputs, at 1 row, at 9 (two calls of 4
+    process with a cache per ISA: isa_build.py) gives bit-identical outputs, at 1 row, at 9 (two calls of 4
     rows and one of 1) and at 40 (tiles where there are)."""
     drop, flags = PATHS[path]
     if drop not in features.FEATURES.split(","):
@@ -98,31 +163,25 @@ def test_every_kernel_path_gives_the_same_bits(path):
     code = (
         "import numpy as np, sys, torch; from kvgen.cpu import features; "
         "from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks; "
-        "from tests.cpu.test_weight_blocks import TYPES, quantized; "
+        "from tests.cpu.test_weight_blocks import kernel_outputs; "
         f"assert (features.PMADDWD, features.WIDE, features.VNNI, features.AMX) == {flags}; "
-        "x = torch.randn(40, 160, generator=torch.Generator().manual_seed(9)); "
-        "out = [BlockLinear(WeightBlocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r]) "
-        "for q in TYPES for r in (1, 9, 40)]; torch.save(out, sys.argv[1])")
+        "torch.save(kernel_outputs(), sys.argv[1])")
     with tempfile.TemporaryDirectory() as d:
-        isa = features.FEATURES.replace(drop, "-" + drop[1:])
-        env = dict(os.environ, NUMBA_CPU_FEATURES=isa, NUMBA_CACHE_DIR=d)
-        subprocess.run([sys.executable, "-c", code, f"{d}/out.pt"], env=env, check=True, timeout=600,
-                       cwd=Path(__file__).resolve().parents[2])
+        run_in_build(code, features.FEATURES.replace(drop, "-" + drop[1:]), f"{d}/out.pt")
         other = torch.load(f"{d}/out.pt")
-    x = torch.randn(40, 160, generator=torch.Generator().manual_seed(9))
-    native = [BlockLinear(WeightBlocks.from_gguf(q.name, quantized(q, 72, 160)[0]), None)(x[:r])
-              for q in TYPES for r in (1, 9, 40)]
+    native = kernel_outputs()
     for a, b in zip(native, other, strict=True):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_a_row_does_not_depend_on_its_neighbours(qtype):
     """A row's output is bit-identical whatever the other rows and however many there are (a
     prompt's K/V and logits do not depend on how it is cut in chunks)."""
-    raw, _ = quantized(qtype, 96, 576)
+    k = width(qtype, 576)
+    raw, _ = quantized(qtype, 96, k)
     lin = BlockLinear(WeightBlocks.from_gguf(qtype.name, raw), None)
-    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(3))
     together = lin(x)
     for i in range(len(x) - 1):
         assert torch.equal(lin(x[i:i + 2])[0], together[i])
@@ -139,6 +198,12 @@ def test_rows_rearrange_and_fuse_like_the_fp32_weights():
     assert torch.equal(fused.dequantize(), want)
     with pytest.raises(ValueError, match="kinds"):
         WeightBlocks.cat([blocks[0], WeightBlocks.from_gguf("Q8_0", quantized(Q.Q8_0, 32, 64)[0])])
+    # scales per 16 inputs ([N, G, 2]) move with their rows too; Q6_K and Q3_K are one kind (q8h)
+    parts = [quantized(q, 32, 512, seed=1) for q in (Q.Q6_K, Q.Q3_K)]
+    halves = [WeightBlocks.from_gguf(q.name, raw) for q, (raw, _) in zip((Q.Q6_K, Q.Q3_K), parts, strict=True)]
+    fused = WeightBlocks.cat([halves[0].map_rows(lambda t: interleave(t, 4)), halves[1]])
+    want = torch.cat([interleave(torch.from_numpy(parts[0][1]), 4), torch.from_numpy(parts[1][1])])
+    assert fused.kind == "q8h" and torch.equal(fused.dequantize(), want)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 import torch
 
+from kvgen.cpu.weight_blocks import BLOCK_TYPES, BlockLinear
 from kvgen.engine import model_files
 from kvgen.engine.generator import load_model
 from kvgen.engine.model import Model
+from tests import tiny
 from tests.engine.test_model_files import (  # noqa: F401  (fixtures)
     Q,
     all_logits,
@@ -83,7 +85,7 @@ def test_gguf_quantized_types_dequantize(gguf_base, f32_logits, bpe, qtype):  # 
     assert rel < logit_bound and agree >= argmax_bound, \
         f"{qtype.name}: logits rel err {rel:.3g}, max |diff| {worst:.3g}, argmax agreement {agree:.3f}"
     # the chunked path (prefill 10, chunk 7, decode) reads the same weights; where the weights stay
-    # in blocks (Q4_0 / Q4_1 / Q8_0), those short steps round activations to int16 (test_weight_blocks.py)
+    # in blocks (weight_blocks.BLOCK_TYPES), those short steps round activations to int16 (test_weight_blocks.py)
     ids = token_sequences(cfg.vocab_size, bpe)[2]
     ours, ends = logits_at_chunk_ends(model, ids, chunkings(len(ids))[1])
     whole = all_logits(model, ids)[ends]
@@ -117,3 +119,162 @@ def test_k_quant_writers_agree_with_gguf_py():
         assert data.dtype == np.uint8 and data.shape == gguf.quants.quant_shape_to_byte_shape(x.shape, qtype)
         y = gguf.quants.dequantize(data, qtype)
         assert np.linalg.norm(y - x) / np.linalg.norm(x) < bound
+
+
+# Writers for the block types neither gguf-py nor tests/tiny.py quantizes: plain rounding to each
+# type's layout (not llama.cpp's search for the best scales), enough for a model whose weights are
+# the F32 model's to a few percent. gguf-py's dequantize is the reader.
+
+def _f16(v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(the fp16 bytes [..., 2], the fp16 values as float32)."""
+    h = v.astype(np.float16)
+    return h[..., None].view(np.uint8), h.astype(np.float32)
+
+
+def _round(x: np.ndarray, step: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return np.clip(np.round(x / np.where(step == 0, 1, step)), lo, hi)
+
+
+def _crumbs(q: np.ndarray) -> np.ndarray:
+    """2-bit codes [..., 256] -> 64 bytes: byte 32 h + i holds input 128 h + 32 s + i at bits 2 s."""
+    q = q.reshape(*q.shape[:-1], 2, 4, 32).astype(np.uint8)
+    return sum(q[..., s, :] << (2 * s) for s in range(4)).reshape(*q.shape[:-3], 64)
+
+
+def _iq4_codes(x: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """The index of the IQ4 value nearest x / step ([..., 32] each), as q4 nibble bytes [..., 16]."""
+    values = gguf.quants.IQ4_NL.kvalues
+    q = np.abs(x[..., None] - step[..., None, None] * np.array(values, np.float32)).argmin(-1).astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    b = x.reshape(x.shape[0], -1, 32)
+    d, df = _f16(np.abs(b).max(-1) / 127)
+    return np.concatenate((d, _iq4_codes(b, df)), -1).reshape(x.shape[0], -1)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    b = x.reshape(n, -1, 8, 32)
+    s = np.abs(b).max(-1) / 127
+    d, df = _f16(s.max(-1) / 31)
+    ls = _round(s, df[..., None], -32, 31).astype(np.int32) + 32  # 6 bits: 4 low, 2 high
+    high = sum(((ls[..., j] >> 4) & 3) << (2 * j) for j in range(8)).astype(np.uint16)
+    low = ((ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)).astype(np.uint8)
+    qs = _iq4_codes(b, df[..., None] * (ls - 32).astype(np.float32))
+    return np.concatenate((d, high[..., None].view(np.uint8), low, qs.reshape(n, -1, 128)), -1).reshape(n, -1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    b = x.reshape(n, -1, 8, 32)
+    lo = np.minimum(b.min(-1), 0)
+    scale, mins = (b.max(-1) - lo) / 31, -lo
+    d, df = _f16(scale.max(-1) / 63)
+    dmin, dminf = _f16(mins.max(-1) / 63)
+    sc = _round(scale, df[..., None], 0, 63).astype(np.uint8)
+    mn = _round(mins, dminf[..., None], 0, 63).astype(np.uint8)
+    q = _round(b + (dminf[..., None] * mn)[..., None], (df[..., None] * sc)[..., None], 0, 31).astype(np.uint8)
+    scales = np.concatenate((sc[..., :4] | ((sc[..., 4:] >> 4) << 6), mn[..., :4] | ((mn[..., 4:] >> 4) << 6),
+                             (sc[..., 4:] & 15) | ((mn[..., 4:] & 15) << 4)), -1)
+    qh = sum(((q[..., k, :] >> 4) & 1) << k for k in range(8)).astype(np.uint8)
+    qs = ((q[..., 0::2, :] & 15) | ((q[..., 1::2, :] & 15) << 4)).reshape(n, -1, 128)
+    return np.concatenate((d, dmin, scales, qh, qs), -1).reshape(n, -1)
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    b = x.reshape(n, -1, 16, 16)
+    s = np.abs(b).max(-1) / 4
+    d, df = _f16(s.max(-1) / 31)
+    sc = _round(s, df[..., None], -32, 31)
+    u = (_round(b, (df[..., None] * sc)[..., None], -4, 3) + 4).astype(np.uint8).reshape(n, -1, 256)
+    hmask = sum(((u.reshape(n, -1, 8, 32)[..., k, :] >> 2) & 1) << k for k in range(8)).astype(np.uint8)
+    v = (sc + 32).astype(np.uint8)
+    low = (v[..., :8] & 15) | ((v[..., 8:] & 15) << 4)
+    high = sum(((v[..., 4 * t:4 * t + 4] >> 4) & 3) << (2 * t) for t in range(4)).astype(np.uint8)
+    return np.concatenate((hmask, _crumbs(u & 3), low, high, d), -1).reshape(n, -1)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    n = x.shape[0]
+    b = x.reshape(n, -1, 16, 16)
+    lo = np.minimum(b.min(-1), 0)
+    scale, mins = (b.max(-1) - lo) / 3, -lo
+    d, df = _f16(scale.max(-1) / 15)
+    dmin, dminf = _f16(mins.max(-1) / 15)
+    sc = _round(scale, df[..., None], 0, 15).astype(np.uint8)
+    mn = _round(mins, dminf[..., None], 0, 15).astype(np.uint8)
+    q = _round(b + (dminf[..., None] * mn)[..., None], (df[..., None] * sc)[..., None], 0, 3)
+    return np.concatenate((sc | (mn << 4), _crumbs(q.reshape(n, -1, 256)), d, dmin), -1).reshape(n, -1)
+
+
+WRITERS = {Q.IQ4_NL: quantize_iq4_nl, Q.IQ4_XS: quantize_iq4_xs, Q.Q5_K: quantize_q5_k, Q.Q3_K: quantize_q3_k,
+           Q.Q2_K: quantize_q2_k}
+# The types kept in blocks beyond Q4_0 / Q4_1 / Q8_0 (test_weight_blocks.py runs those), and the
+# largest relative error of a weight our writers (or gguf-py's, tests/tiny.py's) leave.
+BLOCK_MODEL_TYPES = {Q.Q4_K: 0.15, Q.Q5_0: 0.08, Q.Q5_1: 0.08, Q.Q5_K: 0.08, Q.Q6_K: 0.05, Q.Q3_K: 0.3,
+                     Q.Q2_K: 0.6, Q.IQ4_NL: 0.15, Q.IQ4_XS: 0.15}
+
+
+def _write(array, qtype):
+    return WRITERS[qtype](array) if qtype in WRITERS else gguf_quantize(array, qtype)
+
+
+@pytest.mark.parametrize("qtype", BLOCK_MODEL_TYPES, ids=lambda q: q.name)
+def test_block_types_run_on_their_kernels(gguf_base, bpe, tmp_path, monkeypatch, qtype):  # noqa: F811
+    """A GGUF whose 2-D weights are all of one type loads with WEIGHT_DTYPE=gguf on that type's
+    blocks (every matrix a BlockLinear of the table's kind, no fp32 copy multiplied) and gives the
+    logits of the same file dequantized to fp32 (gguf-py's values), at every position of prefill
+    and decode, to 1e-3 of their largest (the activations' int16 rounding through every layer)."""
+    _, cfg, weights, _, _ = gguf_base
+    monkeypatch.setattr(tiny, "gguf_quantize", _write)
+    path = tmp_path / f"{qtype.name}.gguf"
+    write_gguf(path, cfg, weights, bpe, qtype=qtype)
+    _, got_w, src = model_files.load(str(path))
+    assert sorted(src["blocks"]) == sorted(name for name, w in weights.items() if w.ndim == 2)
+    for name, w in weights.items():  # the file holds the model's weights (the writers are sane)
+        assert ((got_w[name] - w).norm() / w.norm()).item() < (BLOCK_MODEL_TYPES[qtype] if w.ndim == 2 else 1e-7)
+    blocks_model, _ = load_model(str(path), "gguf")
+    fp32_model, _ = load_model(str(path), "fp32")
+    kind = BLOCK_TYPES[qtype.name][0]
+    lins = [lin for layer in blocks_model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(lin, BlockLinear) and lin.kind == kind for lin in [*lins, blocks_model.lm_head])
+    for ids in token_sequences(cfg.vocab_size, bpe)[1:]:
+        whole = all_logits(blocks_model, ids), all_logits(fp32_model, ids)
+        decode = chunkings(len(ids))[1]  # prefill 10, a chunk of 7, then one-row steps
+        chunked = logits_at_chunk_ends(blocks_model, ids, decode)[0], logits_at_chunk_ends(fp32_model, ids, decode)[0]
+        for got, want in (whole, chunked):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("head", [Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_a_head_the_fused_step_cannot_run_leaves_it_to_model_forward(gguf_base, bpe, tmp_path, monkeypatch,  # noqa: F811
+                                                                        head):
+    """Real files often ship output.weight as Q6_K over Q4 layers. The fused decode step's head call
+    takes q4 and q8 blocks only: with a head of another kind the model runs Model.forward, and
+    greedy decoding gives the fp32 model's tokens."""
+    from kvgen.engine.fused_decode import FusedDecode
+    from kvgen.engine.generator import EngineOptions, Generator
+    from kvgen.engine.kv.formats import make_format
+    from kvgen.engine.sampling import SamplingParams
+
+    _, cfg, weights, _, _ = gguf_base
+    monkeypatch.setattr(tiny, "gguf_quantize", _write)
+    path = tmp_path / f"q4_0-{head.name}.gguf"
+    write_gguf(path, cfg, weights, bpe, qtype=Q.Q4_0,
+               types={"lm_head.weight": head, "model.embed_tokens.weight": head})  # (tied, or not)
+    model, tok = load_model(str(path), "gguf")
+    assert model.layers[0].qkv.kind == "q4" and model.lm_head.kind == BLOCK_TYPES[head.name][0]
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert not FusedDecode.supports(model, fmt)
+    params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    outputs = []
+    for m in (model, load_model(str(path), "fp32")[0]):
+        gen = Generator(m, tok, EngineOptions())
+        try:
+            outputs.append(gen.generate(token_sequences(cfg.vocab_size, bpe)[1], params).token_ids)
+        finally:
+            gen.close()
+    assert outputs[0] == outputs[1]

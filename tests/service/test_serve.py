@@ -70,6 +70,9 @@ def _gauge(metrics_port: int, name: str) -> float:
     return float(next(line.split()[1] for line in page.splitlines() if line.startswith(name + " ")))
 
 
+STREAM_TOKENS = 600
+
+
 def test_sigterm_drains_in_flight_streams():
     proc, target, metrics = start([sys.executable, "-m", "kvgen.service.server"], GRACE_S="30")
     try:
@@ -79,7 +82,9 @@ def test_sigterm_drains_in_flight_streams():
 
         def long_stream():
             msgs = []
-            for m in client.stream("Once upon a time", max_new_tokens=60, ignore_eos=True, temperature=0.0):
+            # long enough (seconds at ~150 tokens/s) to be running still when the drain is seen
+            for m in client.stream("Once upon a time", max_new_tokens=STREAM_TOKENS, ignore_eos=True,
+                                   temperature=0.0):
                 msgs.append(m)
                 running.set()
             got["tokens"] = sum(len(m.token_ids) for m in msgs)
@@ -100,7 +105,7 @@ def test_sigterm_drains_in_flight_streams():
             assert time.monotonic() < deadline, "calls were still served 30 s after SIGTERM"
         assert _gauge(metrics, "kvgen_requests_running") == 1  # and the stream is still generating
         t.join(60)
-        assert got == {"tokens": 60, "reason": pb.FINISH_REASON_LENGTH}  # the in-flight one finished
+        assert got == {"tokens": STREAM_TOKENS, "reason": pb.FINISH_REASON_LENGTH}  # the in-flight one finished
         assert proc.wait(30) == 0
         client.close()
     finally:
