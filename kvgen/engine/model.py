@@ -6,6 +6,8 @@ hundred torch calls: at 135M parameters, dispatch cost, not arithmetic, sets the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 
@@ -145,21 +147,26 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
-def make_linear(w: dict, names: list[str], dtype: str, blocks: dict | None, bias=None, rows=None):
+def make_linear(w: Mapping, names: list[str], dtype: str, blocks: Mapping | None, bias=None, rows=None):
     """One Linear over the named weights fused along the output rows (rows: per-name row
-    rearrangement). With dtype gguf, weights the file keeps in blocks stay in them (BlockLinear);
-    a fused weight whose parts are not all blocks of one kind runs fp32."""
+    rearrangement). With dtype gguf, weights the file keeps in blocks stay in them (BlockLinear),
+    and w[name] is not looked up (model_files' weights are lazy: no float copy is made); a fused
+    weight whose parts are not all blocks of one kind runs fp32."""
     fix = [(lambda t: t) if r is None else r for r in (rows or [None] * len(names))]
+    if dtype == "gguf" and blocks and all(n in blocks for n in names):
+        parts = [blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]
+        if len({p.kind for p in parts}) == 1:
+            return BlockLinear(parts[0] if len(parts) == 1 else WeightBlocks.cat(parts), bias)
+        del parts
     parts = [f(w[n]) for n, f in zip(names, fix, strict=True)]
     weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: the tensor itself (tied
     # embeddings stay one tensor for Model.to)
-    if dtype == "gguf" and blocks and all(n in blocks for n in names) and len({blocks[n].kind for n in names}) == 1:
-        return BlockLinear(WeightBlocks.cat([blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]), bias)
     return Linear(weight, bias, "fp32" if dtype == "gguf" else dtype)
 
 
 class Layer:
-    def __init__(self, cfg: ModelConfig, w: dict, i: int, dtype: str, act: torch.dtype, blocks: dict | None = None):
+    def __init__(self, cfg: ModelConfig, w: Mapping, i: int, dtype: str, act: torch.dtype,
+                 blocks: Mapping | None = None):
         p = f"model.layers.{i}."
         qkv_rows = [lambda t: interleave(t, cfg.num_heads), lambda t: interleave(t, cfg.num_kv_heads), None]
         bias = None
@@ -189,7 +196,7 @@ def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
                          f"on {device.type} use one of {', '.join(CUDA_WEIGHT_DTYPES)}")
 
 
-def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: dict | None) -> str:
+def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: Mapping | None) -> str:
     """auto: on the CPU, the GGUF's own blocks when the file has them (the bytes of a Q4 file,
     the fidelity of fp32), else fp32; on CUDA, fp32 (the kernels' reference path)."""
     if weight_dtype not in WEIGHT_DTYPES:
@@ -204,10 +211,11 @@ def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: dict |
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], weight_dtype: str = "fp32",
-                 device: str | torch.device = "cpu", blocks: dict | None = None):
+    def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], weight_dtype: str = "fp32",
+                 device: str | torch.device = "cpu", blocks: Mapping | None = None):
         """blocks: a GGUF's quantized tensors (model_files.load's source["blocks"]), for weight dtype
-        gguf (or auto on the CPU)."""
+        gguf (or auto on the CPU). Each tensor is looked up in weights (and blocks) once at most:
+        model_files' mappings make it anew on every lookup."""
         device = torch.device(device)
         weight_dtype = resolve_weight_dtype(weight_dtype, device, blocks)
         if device.type != "cpu":
@@ -219,11 +227,15 @@ class Model:
         # torch's packed int8/int4 CPU kernels are several times faster with bf16 inputs than fp32.
         self.act_dtype = torch.float32 if weight_dtype in ("fp32", "gguf") else torch.bfloat16
         act = self.act_dtype
-        self.embed = weights["model.embed_tokens.weight"].to(act)
+        embed = weights["model.embed_tokens.weight"]  # floats: the lookup (and the fused step) index it
+        self.embed = embed.to(act)
         self.layers = [Layer(cfg, weights, i, weight_dtype, act, blocks) for i in range(cfg.num_layers)]
         self.norm = RMSNorm(weights["model.norm.weight"].to(act), cfg.rms_norm_eps)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        self.lm_head = make_linear(weights, [head], weight_dtype, blocks)
+        # tied: the embedding tensor already made, not a second copy
+        self.lm_head = make_linear({head: embed} if cfg.tie_word_embeddings else weights, [head], weight_dtype,
+                                   blocks)
+        del embed
         if weight_dtype == "gguf":
             compile_kernels()
         self.rot = rope_tables(cfg, cfg.context_length)

@@ -1,10 +1,17 @@
 """Load weights and config from a GGUF file or a Hugging Face folder.
 
-Weights come out as one dict of float32 tensors under HF names
+Weights come out as one mapping of float32 tensors under HF names
 (`model.layers.0.self_attn.q_proj.weight`...), so the model has one loading path. A GGUF's
 tensors of the types kvgen/cpu/weight_blocks.py's BLOCK_TYPES lists (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, Q8_0, IQ4_NL, IQ4_XS) also come out as their blocks, under the same names
 in the source dict's "blocks", for WEIGHT_DTYPE=gguf (and auto on the CPU).
+
+Both mappings are `Lazy`: their names are known up front, and a tensor is read (from the GGUF's
+memory map, or safetensors' safe_open) and dequantized -- or its blocks made -- only when it is
+looked up, and not kept. So a model whose matrices run on blocks never makes a float32 copy of
+them, not even while loading: the embedded SmolLM2's load_model(auto) peaks 574 MiB above the
+process it starts in, 1,103 MiB when every tensor was dequantized up front
+(tests/engine/test_lazy_weights.py).
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable, Iterator, Mapping
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +63,29 @@ def embedded_model_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], EMBEDDED_FILE)
 
 
-def load(path: str | None) -> tuple[ModelConfig, dict[str, torch.Tensor], dict]:
-    """(config, weights, tokenizer source) for a GGUF file or an HF folder; None = embedded."""
+class Lazy(Mapping):
+    """name -> value, each value made by its loader when looked up and not kept (a caller that
+    needs a tensor twice keeps it); `in`, len and iteration load nothing."""
+
+    def __init__(self, loaders: dict[str, Callable[[], object]]):
+        self._loaders = loaders
+
+    def __getitem__(self, name: str):
+        return self._loaders[name]()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._loaders
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loaders)
+
+    def __len__(self) -> int:
+        return len(self._loaders)
+
+
+def load(path: str | None) -> tuple[ModelConfig, Lazy, dict]:
+    """(config, weights, tokenizer source) for a GGUF file or an HF folder; None = embedded.
+    weights (and a GGUF's source["blocks"]) are Lazy: each lookup reads the file."""
     path = path or embedded_model_path()
     if os.path.isdir(path):
         return _load_hf(Path(path))
@@ -90,30 +120,27 @@ def _load_gguf(path: str):
     n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
     head_dim = int(_field(reader, p + "attention.key_length", n_embd // n_head))
     tokens = reader.fields["tokenizer.ggml.tokens"]
-    weights, blocks = {}, {}
+    weights, blocks, rope_freqs = {}, {}, None
     for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        w = torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))
-        b = WeightBlocks.from_gguf(t.tensor_type.name, t.data) if t.tensor_type.name in BLOCK_TYPES else None
+        heads = 0
         if t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)
             if rest not in _GGUF_LAYER_NAMES:
                 raise ValueError(f"unexpected tensor {t.name} in {path}")
             name = f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
-            heads = n_head if rest.startswith("attn_q.") else n_kv if rest.startswith("attn_k.") else 0
-            if heads and arch != "qwen2":
-                w = _unpermute(w, heads)
-                b = None if b is None else b.map_rows(lambda t, h=heads: _unpermute(t, h))
+            if arch != "qwen2":
+                heads = n_head if rest.startswith("attn_q.") else n_kv if rest.startswith("attn_k.") else 0
         elif t.name in _GGUF_TOP_NAMES:
             name = _GGUF_TOP_NAMES[t.name]
         elif t.name == "rope_freqs.weight":
-            name = "rope_freqs"  # llama3-style per-frequency RoPE divisors, precomputed by the converter
+            # llama3-style per-frequency RoPE divisors, precomputed by the converter
+            rope_freqs = _gguf_tensor(t, 0)
+            continue
         else:
             raise ValueError(f"unexpected tensor {t.name} in {path}")
-        weights[name] = w
-        if b is not None:
-            blocks[name] = b
+        weights[name] = partial(_gguf_tensor, t, heads)
+        if t.tensor_type.name in BLOCK_TYPES:
+            blocks[name] = partial(_gguf_blocks, t, heads)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
@@ -130,14 +157,30 @@ def _load_gguf(path: str):
         context_length=int(_field(reader, p + "context_length", 2048)),
         rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-        rope_scaling={"rope_type": "factors", "factors": weights.pop("rope_freqs")} if "rope_freqs" in weights
-        else None,
+        rope_scaling={"rope_type": "factors", "factors": rope_freqs} if rope_freqs is not None else None,
         tie_word_embeddings="lm_head.weight" not in weights,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted(set(eos_ids)),
     )
-    return cfg, weights, {"gguf": reader, "blocks": blocks}
+    return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks)}
+
+
+def _gguf_tensor(t, heads: int) -> torch.Tensor:
+    """One GGUF tensor as float32 in HF's shape (q/k rows un-permuted where heads)."""
+    import gguf
+
+    data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
+    if np.may_share_memory(data, t.data):  # F32: a view of the read-only memory map
+        data = data.copy()
+    w = torch.from_numpy(data.reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
+    return _unpermute(w, heads) if heads else w
+
+
+def _gguf_blocks(t, heads: int) -> WeightBlocks:
+    """One GGUF tensor's blocks (rows un-permuted where heads): integer codes, no floats."""
+    b = WeightBlocks.from_gguf(t.tensor_type.name, t.data)
+    return b.map_rows(lambda x: _unpermute(x, heads)) if heads else b
 
 
 # Hugging Face folder
@@ -146,19 +189,21 @@ _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen
 
 
 def _load_hf(folder: Path):
-    from safetensors.torch import load_file
+    from safetensors import safe_open
 
     hf = json.loads((folder / "config.json").read_text())
     archs = [a for a in hf.get("architectures", []) if a in _HF_ARCHS]
     if not archs:
         raise ValueError(f"unsupported architectures {hf.get('architectures')} in {folder}; "
                          f"supported: {sorted(_HF_ARCHS)}")
-    weights = {}
+    loaders = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     for f in files:
-        weights.update({k: v.float() for k, v in load_file(str(f)).items()})
+        handle = safe_open(str(f), framework="pt")  # memory-maps the file; a tensor is read when asked for
+        loaders.update({k: partial(_hf_tensor, handle, k) for k in handle.keys()})
+    weights = Lazy(loaders)
     n_head = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 saves theta and scaling here
     eos = hf.get("eos_token_id")
@@ -186,3 +231,7 @@ def _load_hf(folder: Path):
         sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
     )
     return cfg, weights, {"folder": folder}
+
+
+def _hf_tensor(handle, name: str) -> torch.Tensor:
+    return handle.get_tensor(name).float()
