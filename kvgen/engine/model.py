@@ -147,17 +147,34 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+class PartsLinear:
+    """One fused weight (q|k|v, gate|up) whose parts the file keeps in blocks of different kinds:
+    llama-quantize's Q*_K_M mixtures keep attn_v in Q6_K where attn_q and attn_k are Q4_K. Each
+    part multiplies on its own blocks and the outputs sit side by side, so no part is dequantized
+    (the fused decode step takes one kind a linear: these models run Model.forward)."""
+
+    dtype = "gguf"
+
+    def __init__(self, parts: list[BlockLinear], b: torch.Tensor | None):
+        self.parts, self.b = parts, b
+        self.out_features = sum(p.out_features for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if self.b is None else y + self.b
+
+
 def make_linear(w: Mapping, names: list[str], dtype: str, blocks: Mapping | None, bias=None, rows=None):
     """One Linear over the named weights fused along the output rows (rows: per-name row
-    rearrangement). With dtype gguf, weights the file keeps in blocks stay in them (BlockLinear),
-    and w[name] is not looked up (model_files' weights are lazy: no float copy is made); a fused
-    weight whose parts are not all blocks of one kind runs fp32."""
+    rearrangement). With dtype gguf, weights the file keeps in blocks stay in them (BlockLinear,
+    or PartsLinear where the parts' kinds differ), and w[name] is not looked up (model_files'
+    weights are lazy: no float copy is made); a weight the file holds as floats runs fp32."""
     fix = [(lambda t: t) if r is None else r for r in (rows or [None] * len(names))]
     if dtype == "gguf" and blocks and all(n in blocks for n in names):
         parts = [blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]
         if len({p.kind for p in parts}) == 1:
             return BlockLinear(parts[0] if len(parts) == 1 else WeightBlocks.cat(parts), bias)
-        del parts
+        return PartsLinear([BlockLinear(p, None) for p in parts], bias)
     parts = [f(w[n]) for n, f in zip(names, fix, strict=True)]
     weight = parts[0] if len(parts) == 1 else torch.cat(parts)  # one part: the tensor itself (tied
     # embeddings stay one tensor for Model.to)

@@ -278,3 +278,29 @@ def test_a_head_the_fused_step_cannot_run_leaves_it_to_model_forward(gguf_base, 
         finally:
             gen.close()
     assert outputs[0] == outputs[1]
+
+
+def test_a_q4_k_m_mixture_runs_every_matrix_on_its_own_blocks(gguf_base, bpe, tmp_path, monkeypatch):  # noqa: F811
+    """llama-quantize's Q4_K_M keeps attn_v and ffn_down in Q6_K in some layers, the rest Q4_K.
+    Where q|k|v mix kinds the fused weight runs as parts on their own blocks (no fp32 copy of any
+    matrix), and the logits are the fp32 model's of the same file at every position."""
+    from kvgen.engine.model import PartsLinear
+
+    _, cfg, weights, _, _ = gguf_base
+    monkeypatch.setattr(tiny, "gguf_quantize", _write)
+    mixed = {f"model.layers.0.{n}.weight": Q.Q6_K for n in ("self_attn.v_proj", "mlp.down_proj")}
+    path = tmp_path / "q4_k_m.gguf"
+    write_gguf(path, cfg, weights, bpe, qtype=Q.Q4_K, types=mixed)
+    dequantized = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize",
+                        lambda data, qtype: dequantized.append(data.shape) or real(data, qtype))
+    blocks_model, _ = load_model(str(path), "gguf")
+    assert all(len(shape) == 1 or shape[0] == cfg.vocab_size for shape in dequantized), dequantized  # norms, embed
+    first, second = blocks_model.layers[0], blocks_model.layers[1]
+    assert isinstance(first.qkv, PartsLinear) and [p.kind for p in first.qkv.parts] == ["q4", "q4", "q8h"]
+    assert first.down.kind == "q8h" and isinstance(second.qkv, BlockLinear) and second.qkv.kind == "q4"
+    fp32_model, _ = load_model(str(path), "fp32")
+    for ids in token_sequences(cfg.vocab_size, bpe)[1:]:
+        got, want = all_logits(blocks_model, ids), all_logits(fp32_model, ids)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-3 * want.abs().max().item())
