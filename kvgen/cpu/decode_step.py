@@ -109,6 +109,16 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
               kv_heads, head_dim, gu, act)
 
 
+@njit(nogil=True, inline="always")
+def _linear(w, layer, x, y, room):  # pragma: no cover - compiled
+    """y = x W^T for one layer's weight of a stacked family w = (codes, d, m, q4): 4-bit blocks
+    (Q4_0, Q4_1, Q4_K) where q4, else 8-bit codes with a scale per 32 (Q8_0, Q5_0, IQ4_NL, IQ4_XS)."""
+    if w[3]:
+        block_matmul.q4_linear(x, w[0][layer], w[1][layer], w[2][layer], y, room)
+    else:
+        block_matmul.q8_linear(x, w[0][layer], w[1][layer], y, room)
+
+
 @njit(cache=True, nogil=True)
 def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, norm, qkv, o, gate_up, down, head,
           head_q4, cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
@@ -133,7 +143,7 @@ def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, 
         # the previous layer's MLP output is added here, with this layer's first norm
         _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
                heads, kv_heads, head_dim, gu, act)
-        block_matmul.q4_linear(x, qkv[0][layer], qkv[1][layer], qkv[2][layer], qkv_out, room)
+        _linear(qkv, layer, x, qkv_out, room)
         if plain:
             _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
                    kv_heads, head_dim, gu, act)
@@ -151,13 +161,13 @@ def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, 
                 kv_io.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
         paged_attention.attend(qkv_out, kv, kvq, layer, tables, positions, heads, kv_heads, head_dim, att, plan,
                                partial, slot, kt)
-        block_matmul.q4_linear(att, o[0][layer], o[1][layer], o[2][layer], o_out, room)
+        _linear(o, layer, att, o_out, room)
         _stage(ADD_NORM, h, o_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads,
                head_dim, gu, act)
-        block_matmul.q4_linear(x, gate_up[0][layer], gate_up[1][layer], gate_up[2][layer], gu, room)
+        _linear(gate_up, layer, x, gu, room)
         _stage(SILU, h, d_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
                gu, act)
-        block_matmul.q4_linear(act, down[0][layer], down[1][layer], down[2][layer], d_out, room)
+        _linear(down, layer, act, d_out, room)
     for r in range(rows):
         for i in range(hidden):
             h[r, i] += d_out[r, i]

@@ -1,4 +1,5 @@
-"""A decode step of a few sequences as one compiled call, for gguf weights over an fp32, fp8 or q4 KV cache.
+"""A decode step of a few sequences as one compiled call, for gguf weights (each family of matrices in
+one kind over the layers: 4-bit blocks or 8-bit codes) over an fp32, fp8 or q4 KV cache.
 
 At batch 1 on a small model, torch's per-op dispatch is a third of the step: Model.forward issues
 ~30 ops per layer (norms, RoPE, the cache write and read, attention, the activation, residuals)
@@ -31,12 +32,16 @@ def _longest_run(rows) -> int:
 
 
 def _stack(linears: list[BlockLinear]) -> tuple:
-    """(qs, d, m) of every layer's linear, stacked along a new first axis. Each linear then reads
-    its own slice of the stack (a view), so the blocks are held once, not twice."""
-    stacks = tuple(np.stack([getattr(lin, a) for lin in linears]) for a in ("qs", "d", "m"))
+    """(codes, d, m, q4) of every layer's linear, stacked along a new first axis (m is d again for
+    8-bit codes, which have none: the step's call that would read it is not taken). Each linear
+    then reads its own slice of the stack (a view), so the blocks are held once, not twice."""
+    q4 = linears[0].kind == "q4"
+    names = ("qs", "d", "m") if q4 else ("qs", "d")
+    stacks = tuple(np.stack([getattr(lin, a) for lin in linears]) for a in names)
     for i, lin in enumerate(linears):
-        lin.qs, lin.d, lin.m = (a[i] for a in stacks)
-    return stacks
+        for a, stack in zip(names, stacks, strict=True):
+            setattr(lin, a, stack[i])
+    return stacks[0], stacks[1], stacks[-1], q4
 
 
 def _supports_kv(fmt, head_dim: int) -> bool:
@@ -58,9 +63,11 @@ class FusedDecode:
 
     @staticmethod
     def supports(model, fmt) -> bool:
-        lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        families = [[getattr(layer, f) for layer in model.layers] for f in ("qkv", "o", "gate_up", "down")]
         return (model.device.type == "cpu" and model.weight_dtype == "gguf"
-                and all(isinstance(lin, BlockLinear) and lin.kind == "q4" and lin.b is None for lin in lins)
+                and all(isinstance(lin, BlockLinear) and lin.b is None for fam in families for lin in fam)
+                # each family's layers in one kind the step's calls take (a stack of one dtype)
+                and all(len({lin.kind for lin in fam}) == 1 and fam[0].kind in ("q4", "q8") for fam in families)
                 and isinstance(model.lm_head, BlockLinear) and model.lm_head.b is None
                 and model.lm_head.kind in ("q4", "q8")  # the step's head call takes these two
                 and _supports_kv(fmt, model.cfg.head_dim)

@@ -39,11 +39,20 @@ def q4_model(gguf_base, bpe):  # noqa: F811
     return load_model(str(path))[0]
 
 
-def test_every_decode_step_equals_the_forward(q4_model):
+@pytest.fixture(scope="module", params=["Q4_1", "Q8_0", "Q4_K"])
+def block_model(gguf_base, bpe, request):  # noqa: F811
+    """The same model in 4-bit blocks (Q4_1, Q4_K) and in 8-bit codes (Q8_0): the step's two kinds."""
+    d, cfg, weights, _, _ = gguf_base
+    path = d / f"fused-{request.param}.gguf"
+    write_gguf(path, cfg, weights, bpe, qtype=getattr(gguf.GGMLQuantizationType, request.param))
+    return load_model(str(path))[0]
+
+
+def test_every_decode_step_equals_the_forward(block_model):
     """Prefill 5 tokens, then 40 decode steps across block boundaries (blocks of 16): the fused
     step's logits, final hidden states and the K/V it writes equal Model.forward's over the same
-    cache."""
-    m, cfg = q4_model, q4_model.cfg
+    cache, for each kind of weight blocks the step takes."""
+    m, cfg = block_model, block_model.cfg
     fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     assert FusedDecode.supports(m, fmt)
     fused = FusedDecode(m)
@@ -95,10 +104,10 @@ def decode_step(caches: list[PagedKVCache]) -> Step:
 
 
 @pytest.mark.parametrize("rows", [2, 3, MANY])
-def test_a_step_of_several_sequences_equals_the_forward(q4_model, rows):
+def test_a_step_of_several_sequences_equals_the_forward(block_model, rows):
     """Sequences of different lengths (14 to 14 + 3 * rows: one block, two, a block's last slot)
     decode one token each in one fused step: the batched forward's logits and K/V."""
-    m, cfg = q4_model, q4_model.cfg
+    m, cfg = block_model, block_model.cfg
     fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     g = torch.Generator().manual_seed(rows)
     prompts = [torch.randint(3, cfg.vocab_size, (14 + 3 * i,), generator=g).tolist() for i in range(rows)]
