@@ -83,6 +83,11 @@ class Lazy(Mapping):
         return len(self._loaders)
 
 
+# The float types a GGUF tensor may have; the quantized ones are those weight_blocks' kernels run
+# (BLOCK_TYPES). Any other type is refused at load, never dequantized to floats behind the user's back.
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
 def load(path: str | None) -> tuple[ModelConfig, Lazy, dict]:
     """(config, weights, tokenizer source) for a GGUF file or an HF folder; None = embedded.
     weights (and a GGUF's source["blocks"]) are Lazy: each lookup reads the file."""
@@ -122,6 +127,9 @@ def _load_gguf(path: str):
     tokens = reader.fields["tokenizer.ggml.tokens"]
     weights, blocks, rope_freqs = {}, {}, None
     for t in reader.tensors:
+        if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type.name not in BLOCK_TYPES:
+            raise ValueError(f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvgen does not run (it runs "
+                             f"{', '.join([*FLOAT_TYPES, *BLOCK_TYPES])}); re-quantize the file to one of those")
         heads = 0
         if t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)

@@ -12,6 +12,7 @@ import json
 import os
 
 import gguf
+import numpy as np
 import pytest
 import torch
 
@@ -23,6 +24,7 @@ from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
+from tests import tiny
 from tests.engine.test_oracle import hf_greedy, run_chunks
 from tests.tiny import (
     CHATML_TEMPLATE,
@@ -350,3 +352,19 @@ def test_folder_without_config(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="config.json"):
         model_files.load(str(tmp_path))
+
+
+def test_a_tensor_type_without_kernels_is_refused_by_name(gguf_base, bpe, tmp_path, monkeypatch):  # noqa: F811
+    """A type kvgen runs no kernel for (IQ2_XXS here) stops the load with the tensor and its type
+    named, rather than running as a dequantized float copy."""
+    _, cfg, weights, _, _ = gguf_base
+    iq2 = gguf.GGMLQuantizationType.IQ2_XXS
+    block, size = gguf.GGML_QUANT_SIZES[iq2]
+    real = tiny.gguf_quantize
+    monkeypatch.setattr(tiny, "gguf_quantize", lambda a, q: np.zeros((a.shape[0], a.shape[1] // block * size),
+                                                                     np.uint8) if q == iq2 else real(a, q))
+    path = tmp_path / "iq2.gguf"
+    write_gguf(path, cfg, weights, bpe, qtype=gguf.GGMLQuantizationType.Q4_0,
+               types={"model.layers.1.mlp.up_proj.weight": iq2})
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight is IQ2_XXS, a type kvgen does not run"):
+        model_files.load(str(path))
