@@ -140,13 +140,18 @@ class ModelInfo:
     device: str
     prefix_cache: bool
     cpu_kernels: str = ""  # the CPU kernel path of gguf weights ("" where none runs)
+    tensor_types: dict[str, int] = field(default_factory=dict)  # the file's tensor type -> count
+    type_kernels: dict[str, str] = field(default_factory=dict)  # type -> kernel kind or weight dtype
+    weight_bytes: int = 0  # the weights as the server holds them
+    file_bytes: int = 0
     raw: pb.GetModelInfoResponse | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, m: pb.GetModelInfoResponse) -> ModelInfo:
         return cls(m.name, m.architecture, m.context_length, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads,
                    m.head_dim, m.kv_dtype, m.weight_dtype, m.has_chat_template, tuple(m.eos_token_ids),
-                   m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m.cpu_kernels, m)
+                   m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m.cpu_kernels,
+                   dict(m.tensor_types), dict(m.type_kernels), m.weight_bytes, m.file_bytes, m)
 
 
 @dataclass(frozen=True)

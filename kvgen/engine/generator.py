@@ -21,6 +21,7 @@ import torch
 
 from kvgen.cpu import features
 from kvgen.cpu.threads import in_fresh_thread
+from kvgen.cpu.weight_blocks import BLOCK_TYPES
 from kvgen.engine import model_files
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.constraint import Grammars
@@ -71,6 +72,15 @@ def kernel_path(model: Model) -> str:
     if model.weight_dtype != "gguf" or model.device.type != "cpu":
         return ""
     return features.path()
+
+
+def type_kernels(model: Model) -> dict[str, str]:
+    """GetModelInfo.type_kernels: for each tensor type of the model's file, what it runs as: a GGUF
+    type on the CPU block kernels, its kernel kind (weight_blocks.BLOCK_TYPES); else the weight
+    dtype (a gguf model's float tensors, norms and the like, run fp32)."""
+    blocks = model.weight_dtype == "gguf" and model.device.type == "cpu"
+    plain = "fp32" if model.weight_dtype == "gguf" else model.weight_dtype
+    return {t: BLOCK_TYPES[t][0] if blocks and t in BLOCK_TYPES else plain for t in model.cfg.tensor_types}
 
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:

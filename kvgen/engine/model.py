@@ -261,6 +261,25 @@ class Model:
         if device.type != "cpu":
             self.to(device)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights as held: blocks' codes and scales, float tensors; a buffer shared by
+        two (tied embeddings, a stack's views) once."""
+        seen: set[int] = set()
+        total = 0
+        arrays = [self.embed, self.norm.w, *(n.w for layer in self.layers for n in (layer.ln1, layer.ln2))]
+        for lin in [*(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                    self.lm_head]:
+            for part in getattr(lin, "parts", [lin]):
+                arrays += [getattr(part, name, None) for name in ("qs", "d", "m", "w", "scale")]
+        for a in arrays:
+            if a is None:
+                continue
+            ptr = a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+            if ptr not in seen:
+                seen.add(ptr)
+                total += a.nbytes
+        return total
+
     def to(self, device: str | torch.device) -> Model:
         """Move every weight and the RoPE table to `device` (built on the CPU first, so the
         CPU path never changes). Tensors shared on the CPU stay shared: fp32 tied embeddings

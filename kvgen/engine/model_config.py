@@ -25,3 +25,5 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     sliding_window: int | None = None  # Mistral-style: attend to the last N positions
+    tensor_types: dict[str, int] = field(default_factory=dict)  # the file's tensor type -> count
+    file_bytes: int = 0  # the model file's size (an HF folder: its safetensors)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
 from pathlib import Path
@@ -170,6 +171,8 @@ def _load_gguf(path: str):
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=sorted(set(eos_ids)),
+        tensor_types=dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        file_bytes=os.path.getsize(path),
     )
     return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks)}
 
@@ -204,13 +207,14 @@ def _load_hf(folder: Path):
     if not archs:
         raise ValueError(f"unsupported architectures {hf.get('architectures')} in {folder}; "
                          f"supported: {sorted(_HF_ARCHS)}")
-    loaders = {}
+    loaders, types = {}, Counter()
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {folder}")
     for f in files:
         handle = safe_open(str(f), framework="pt")  # memory-maps the file; a tensor is read when asked for
         loaders.update({k: partial(_hf_tensor, handle, k) for k in handle.keys()})
+        types.update(handle.get_slice(k).get_dtype() for k in handle.keys())
     weights = Lazy(loaders)
     n_head = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 saves theta and scaling here
@@ -237,6 +241,8 @@ def _load_hf(folder: Path):
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=[int(x) for x in eos_ids],
         sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
+        tensor_types=dict(types),
+        file_bytes=sum(f.stat().st_size for f in files),
     )
     return cfg, weights, {"folder": folder}
 

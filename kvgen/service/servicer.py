@@ -10,7 +10,7 @@ from contextlib import ExitStack, aclosing, nullcontext
 
 from opentelemetry import trace
 
-from kvgen.engine.generator import Generator, kernel_path
+from kvgen.engine.generator import Generator, kernel_path, type_kernels
 from kvgen.engine.request import Request
 from kvgen.engine.sequence import Event
 from kvgen.engine.session import Session
@@ -157,7 +157,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             weight_dtype=gen.model.weight_dtype, has_chat_template=gen.tokenizer.chat_template is not None,
             eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else -1,
             kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device),
-            prefix_cache=gen.scheduler.kv.prefix is not None, cpu_kernels=kernel_path(gen.model))
+            prefix_cache=gen.scheduler.kv.prefix is not None, cpu_kernels=kernel_path(gen.model),
+            tensor_types=cfg.tensor_types, type_kernels=type_kernels(gen.model), weight_bytes=gen.model.weight_bytes(),
+            file_bytes=cfg.file_bytes)
 
     async def CreateSession(self, request, context):
         try:

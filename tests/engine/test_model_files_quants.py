@@ -5,6 +5,8 @@ The models are test_model_files.py's (written by gguf-py the way llama.cpp's con
 
 from __future__ import annotations
 
+from collections import Counter
+
 import gguf
 import numpy as np
 import pytest
@@ -284,6 +286,7 @@ def test_a_q4_k_m_mixture_runs_every_matrix_on_its_own_blocks(gguf_base, bpe, tm
     """llama-quantize's Q4_K_M keeps attn_v and ffn_down in Q6_K in some layers, the rest Q4_K.
     Where q|k|v mix kinds the fused weight runs as parts on their own blocks (no fp32 copy of any
     matrix), and the logits are the fp32 model's of the same file at every position."""
+    from kvgen.engine.generator import type_kernels
     from kvgen.engine.model import PartsLinear
 
     _, cfg, weights, _, _ = gguf_base
@@ -300,6 +303,10 @@ def test_a_q4_k_m_mixture_runs_every_matrix_on_its_own_blocks(gguf_base, bpe, tm
     first, second = blocks_model.layers[0], blocks_model.layers[1]
     assert isinstance(first.qkv, PartsLinear) and [p.kind for p in first.qkv.parts] == ["q4", "q4", "q8h"]
     assert first.down.kind == "q8h" and isinstance(second.qkv, BlockLinear) and second.qkv.kind == "q4"
+    # GetModelInfo's mixture and kernels: the file's types as gguf-py reads them, each's kernel kind
+    mixture = Counter(t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors)
+    assert blocks_model.cfg.tensor_types == mixture and mixture["Q6_K"] == 2
+    assert type_kernels(blocks_model) == {"Q4_K": "q4", "Q6_K": "q8h", "F32": "fp32"}
     fp32_model, _ = load_model(str(path), "fp32")
     for ids in token_sequences(cfg.vocab_size, bpe)[1:]:
         got, want = all_logits(blocks_model, ids), all_logits(fp32_model, ids)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections import Counter
 
+import gguf
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
@@ -12,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvgen.client import request
+from kvgen.engine.model_files import embedded_model_path
 from kvgen.v1 import generate_pb2 as pb
 
 GREEDY = dict(temperature=0.0)
@@ -168,6 +172,14 @@ def test_model_info(stub):
     assert info.has_chat_template and list(info.eos_token_ids) == [2]
     assert info.kv_dtype == "fp32" and info.kv_blocks_total > 0
     assert info.weight_dtype == "fp32" and info.cpu_kernels == ""  # no block kernels run fp32 weights
+    # the file's quant mixture, as gguf-py reads it, and how each type runs here (fp32: all as floats)
+    path = embedded_model_path()
+    mixture = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
+    assert dict(info.tensor_types) == mixture and "Q4_1" in mixture
+    assert dict(info.type_kernels) == {t: "fp32" for t in mixture}
+    assert info.file_bytes == os.path.getsize(path)
+    params = 30 * (576 * (576 + 2 * 192 + 576) + 3 * 576 * 1536) + 49152 * 576  # q|k|v, o, MLP; embedding
+    assert 4 * params <= info.weight_bytes < 4 * params * 1.01  # fp32, the tied embedding held once
 
 
 def test_health_serving(server):

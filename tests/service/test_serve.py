@@ -61,6 +61,9 @@ def test_make_serve_streams_tokens():
         assert info.weight_dtype == "gguf"
         # and the kernels' code path, chosen from this CPU's features (this process's own choice)
         assert info.cpu_kernels == features.path()
+        # the Q4_1 matrices on the q4 block kernels, the F32 norms as floats
+        assert info.type_kernels["Q4_1"] == "q4" and info.type_kernels["F32"] == "fp32"
+        assert 0 < info.weight_bytes < 2 * info.file_bytes
         client.close()
     finally:
         stop_group(proc)
