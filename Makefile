@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving eagle-head clean
+.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
@@ -136,6 +136,12 @@ bench: $(STAMP) $(STUBS)
 bench-serving: $(STAMP) $(STUBS)
 	bash bench/setup_llama_server.sh
 	$(PY) bench/serving.py
+
+# kvgen next to llama-bench on the embedded model re-encoded as Q4_K_M/Q5_K_M/Q6_K/Q8_0 (made offline,
+# with llama-quantize/llama-bench built from the same sdist): bench/results/models.md
+bench-models: $(STAMP) $(STUBS)
+	bash bench/setup_models.sh
+	$(PY) bench/models.py
 
 bench-speculative: $(STAMP) $(STUBS)
 	bash bench/setup_llamacpp.sh
