@@ -138,6 +138,9 @@ def test_hf_folder_weights_are_read_lazily(gguf_base, monkeypatch):  # noqa: F81
         def keys(self):
             return self._h.keys()
 
+        def get_slice(self, name):  # a tensor's dtype and shape, from the header: no read
+            return self._h.get_slice(name)
+
         def get_tensor(self, name):
             reads.append(name)
             return get_tensor(self._h, name)
