@@ -19,6 +19,13 @@ from round to round), each peer's best round reported:
   fused decode step (kvgen/engine/fused_decode.py) is on and ran, and VmRSS / VmHWM from
   /proc/self/status: after imports, after load_model, after the Generator is built, at the end.
 
+The large files (bench/make_shaped_model.py: SmolLM2-1.7B's shape as Q4_0 and Q4_K_M, Llama 3.1
+8B's layers as Q4_K_M, random weights), where setup_models.sh made them, get the same rounds (one
+a peer from 2 GiB) and a table of their own: the machine's read bandwidth (a 2 GiB tensor read by
+torch on every core, best of 3), each peer's decode tok/s x file bytes against it, and kvgen's RSS
+against the issue's bound (1.2x the file + the KV pool). A kvgen round that cannot load a file
+(memory) is written as failed, not fatal.
+
 Other processes on the cores slow both peers' rounds: the load average is printed and written.
 """
 
@@ -42,6 +49,12 @@ TOOLS = CACHE / "llama-tools" / "bin"
 MODELS = CACHE / "models"
 OUT = BENCH / "results" / "models.md"
 TYPES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")  # Q4_1: the embedded file itself
+# The large files (bench/make_shaped_model.py's random weights in a real model's shape), where
+# present: decode reads the whole file a token, so they measure bandwidth, not arithmetic
+SHAPED = (("1.7B Q4_0", "shaped-1.7b.Q4_0.gguf"), ("1.7B Q4_K_M", "shaped-1.7b.Q4_K_M.gguf"),
+          ("8B Q4_K_M", "shaped-8b.Q4_K_M.gguf"))
+ONE_ROUND_FROM = 2 * 2**30  # files this large get one round a peer (a kvgen round of the 8B file is minutes)
+BANDWIDTH_BYTES = 2 * 2**30
 PREFILL, NEW_TOKENS = 512, 128
 DECODE_PROMPT = "The capital of France is"
 
@@ -86,6 +99,7 @@ def kvgen_round(path: str) -> dict:
     gen = Generator(model, tokenizer, opts, path)
     load_s = time.perf_counter() - t
     mem["ready"] = status_kb("VmRSS")["VmRSS"]
+    mem["kv_pool"] = sum(t.nbytes for t in gen.pool.store.values() if isinstance(t, torch.Tensor)) / 2**20
 
     lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
@@ -133,8 +147,29 @@ def kvgen_round(path: str) -> dict:
     }
 
 
+def read_bandwidth() -> float:
+    """GB/s of a plain read of a 2 GiB float32 tensor (torch's sum on all cores, best of 5): what a
+    decode step that reads every weight once can reach at most."""
+    import torch
+
+    torch.set_num_threads(cores())
+    t = torch.ones(BANDWIDTH_BYTES // 4)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        t.sum()
+        best = min(best, time.perf_counter() - t0)
+    return BANDWIDTH_BYTES / best / 1e9
+
+
+def run_bandwidth(_path: str = "") -> dict:
+    p = subprocess.run([sys.executable, __file__, "--bandwidth"], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, check=True)
+    return {"gb_s": float(p.stdout.split()[-1])}
+
+
 def run_kvgen(path: str) -> dict:
-    p = subprocess.run([sys.executable, __file__, "--kvgen", path], capture_output=True, text=True, timeout=900,
+    p = subprocess.run([sys.executable, __file__, "--kvgen", path], capture_output=True, text=True, timeout=3600,
                        cwd=ROOT)
     if p.returncode != 0:
         raise RuntimeError(f"kvgen on {path} exited {p.returncode}:\n{p.stderr[-3000:]}")
@@ -252,10 +287,16 @@ def files() -> list[tuple[str, str]]:
         if not os.path.exists(path):
             raise SystemExit(f"{path} missing: run bash bench/setup_models.sh")
         out.append((ty, path))
+    out += [(name, str(MODELS / f)) for name, f in SHAPED if (MODELS / f).exists()]
     return out
 
 
 CLEAN = 0.10  # a round is clean when other processes took at most this share of the CPUs
+
+
+def ran(runs: list[dict]) -> list[dict]:
+    """The rounds that ran (a kvgen round that could not load the file has an error instead)."""
+    return [x for x in runs if "error" not in x]
 
 
 def clean(runs: list[dict]) -> list[dict]:
@@ -287,13 +328,21 @@ def main() -> None:
     results = []
     for ty, path in files():
         kv, lb = [], []
-        # rounds until each peer has `rounds` clean ones (others <= CLEAN) or ran 2 * rounds times
-        for r in range(2 * rounds):
+        n = 1 if os.path.getsize(path) >= ONE_ROUND_FROM else rounds
+        # rounds until each peer has `n` clean ones (others <= CLEAN) or ran 2 * n times
+        for r in range(2 * n):
             order = (run_llama_bench, run_kvgen) if r % 2 == 0 else (run_kvgen, run_llama_bench)
             for fn in order:
                 got = lb if fn is run_llama_bench else kv
-                if len(clean(got)) < rounds and len(got) < 2 * rounds:
-                    got.append(measured(fn, path, budget))
+                if len(clean(got)) < n and len(got) < 2 * n and not any("error" in x for x in got):
+                    try:
+                        got.append(measured(fn, path, budget))
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:  # kvgen could not load or run it
+                        if fn is run_llama_bench:
+                            raise
+                        got.append({"error": str(e).strip().splitlines()[-1], "others": 0.0})
+                        print(f"{ty} kvgen failed: {got[-1]['error']}", flush=True)
+                        continue
                     x = got[-1]
                     what = (f"pp {x['pp_tps']:.1f} tg {x['tg_tps']:.1f}" if fn is run_llama_bench
                             else f"prefill {x['prefill_tps']:.1f} decode {x['decode_tps']:.1f}")
@@ -302,13 +351,50 @@ def main() -> None:
                           flush=True)
         results.append((ty, path, lb, kv))
         print(json.dumps({"file": ty, "llama_bench": lb, "kvgen": kv}), flush=True)
+    bandwidth = [measured(run_bandwidth, "", budget) for _ in range(3)] if any(
+        ty in dict(SHAPED) for ty, *_ in results) else []
     now = git_commit()
     if now != commit:
         commit = f"{commit}, then {now} (the tree changed during the run)"
-    write(results, rounds, name, flags, load0, time.time() - t0, commit)
+    write(results, rounds, name, flags, load0, time.time() - t0, commit, bandwidth)
 
 
-def write(results, rounds, cpu, flags, load0, secs, commit) -> None:
+def large_rows(results, bandwidth) -> list[str]:
+    """The bandwidth-bound files: bytes read a token against the machine's read bandwidth, and
+    memory against the issue's bound (RSS <= 1.2x the file + the KV pool)."""
+    gb_s = max(x["gb_s"] for x in clean(bandwidth))
+    each = " / ".join(f"{x['gb_s']:.1f}" for x in bandwidth)
+    lines = [
+        "\n## The large files: bandwidth and memory\n",
+        f"Read bandwidth: a plain read of a {BANDWIDTH_BYTES // 2**30} GiB float32 tensor on {cores()} threads "
+        f"(torch sum), best of {len(bandwidth)}: **{gb_s:.1f} GB/s** (rounds: {each}). "
+        "A decode step at batch 1 reads every weight once, so tok/s x file bytes is the bandwidth it "
+        "draws (the embedding table's one row a token aside). Memory: kvgen's VmRSS ready to serve, less the "
+        "interpreter with its imports, against 1.2x the file plus the KV pool (the issue's bound).\n",
+        "| file | GB | llama-bench tg128 | llama GB/s | kvgen decode | kvgen GB/s | kvgen % of read bandwidth | "
+        "decode kvgen/llama | RSS ready - imports MiB | KV pool MiB | bound 1.2 file + pool MiB | within |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for ty, path, lb, kv in results:
+        if ty not in dict(SHAPED):
+            continue
+        gb = os.path.getsize(path) / 1e9
+        tg = max(x["tg_tps"] for x in clean(lb))
+        ok = ran(kv)
+        if not ok:
+            lines.append(f"| {ty} | {gb:.2f} | {tg:.1f} | {tg * gb:.1f} | failed: {kv[-1]['error'][:80]} "
+                         "| | | | | | | |")
+            continue
+        dc = max(x["decode_tps"] for x in clean(ok))
+        m = ok[0]["rss_mib"]
+        used, bound = m["ready"] - m["imports"], 1.2 * os.path.getsize(path) / 2**20 + m["kv_pool"]
+        lines.append(f"| {ty} | {gb:.2f} | {tg:.1f} | {tg * gb:.1f} | {dc:.1f} | {dc * gb:.1f} | "
+                     f"{dc * gb / gb_s:.0%} | {dc / tg:.2f}x | {used:.0f} | {m['kv_pool']:.0f} | {bound:.0f} | "
+                     f"{'yes' if used <= bound else 'no'} |")
+    return lines
+
+
+def write(results, rounds, cpu, flags, load0, secs, commit, bandwidth) -> None:
     info = results[0][2][0]["info"]
     lines = [
         "# kvgen and llama-bench on the same GGUF files\n",
@@ -334,8 +420,11 @@ def write(results, rounds, cpu, flags, load0, secs, commit) -> None:
         "|---|---|---|---|---|---|---|---|",
     ]
     for ty, path, lb, kv in results:
-        lb, kv = clean(lb), clean(kv)
+        lb, kv = clean(lb), clean(ran(kv))
         pp, tg = max(x["pp_tps"] for x in lb), max(x["tg_tps"] for x in lb)
+        if not kv:
+            lines.append(f"| {ty} | {os.path.getsize(path) / 2**20:.1f} | {pp:.0f} | kvgen failed | | {tg:.1f} | | |")
+            continue
         pf, dc = max(x["prefill_tps"] for x in kv), max(x["decode_tps"] for x in kv)
         lines.append(f"| {ty} | {os.path.getsize(path) / 2**20:.1f} | {pp:.0f} | {pf:.0f} | {pf / pp:.2f}x | "
                      f"{tg:.1f} | {dc:.1f} | {dc / tg:.2f}x |")
@@ -354,6 +443,9 @@ def write(results, rounds, cpu, flags, load0, secs, commit) -> None:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for ty, path, _lb, kv in results:
+        kv = ran(kv)
+        if not kv:
+            continue
         k = kv[0]
         m = k["rss_mib"]
         size = os.path.getsize(path) / 2**20
@@ -362,6 +454,8 @@ def write(results, rounds, cpu, flags, load0, secs, commit) -> None:
                      f"{k['kernels'] or '-'} | {'yes' if k['fused'] else 'no'} ({k['fused_steps']}) | "
                      f"{min(x['load_s'] for x in kv):.1f} | {m['model']:.0f} | {m['ready']:.0f} | "
                      f"{max(x['rss_mib']['peak'] for x in kv):.0f} | {(m['model'] - m['imports']) / size:.2f} |")
+    if bandwidth:
+        lines += large_rows(results, bandwidth)
     lines += ["\n## Every round\n",
               "tok/s per round in run order; others: the share of the CPUs' time during that peer's runs that other "
               "processes on the machine took (from /proc/stat less this bench's own CPU time; before each run the "
@@ -369,6 +463,7 @@ def write(results, rounds, cpu, flags, load0, secs, commit) -> None:
               "| file | llama-bench pp512 | kvgen prefill | llama-bench tg128 | kvgen decode | others during "
               "llama-bench | others during kvgen |", "|---|---|---|---|---|---|---|"]
     for ty, _, lb, kv in results:
+        kv = ran(kv)
         cols = [[f"{x['pp_tps']:.0f}" for x in lb], [f"{x['prefill_tps']:.0f}" for x in kv],
                 [f"{x['tg_tps']:.1f}" for x in lb], [f"{x['decode_tps']:.1f}" for x in kv],
                 [f"{x['others']:.0%}" for x in lb], [f"{x['others']:.0%}" for x in kv]]
@@ -381,8 +476,11 @@ def write(results, rounds, cpu, flags, load0, secs, commit) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kvgen", metavar="FILE", help="one kvgen round on FILE; prints JSON (internal)")
+    ap.add_argument("--bandwidth", action="store_true", help="the read bandwidth in GB/s (internal)")
     args = ap.parse_args()
-    if args.kvgen:
+    if args.bandwidth:
+        print(f"{read_bandwidth():.3f}", flush=True)
+    elif args.kvgen:
         print(json.dumps(kvgen_round(args.kvgen)), flush=True)
     else:
         main()

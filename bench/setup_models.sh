@@ -133,5 +133,33 @@ for ty in "${types[@]}"; do
         grep -E "model size|quant size" "$models/quantize-$ty.log" | sed "s/^/$ty: /" || true
     fi
 done
+# 4. the large files (SHAPED="1.7b 8b" by default; SHAPED= skips them): random weights in a real
+#    model's shape (bench/make_shaped_model.py, one layer at a time), converted to BF16 by the same
+#    converter, quantized by llama-quantize; the HF folder and the BF16 file are removed after.
+#    1.7B: Q4_0 and Q4_K_M (~1 GB each); 8B: Q4_K_M (~4.3 GB), the file that shows whether kvgen
+#    loads and serves an 8B model on a 24 GB machine. About 10 minutes on 2 cores the first time.
+shaped=(${SHAPED-1.7b 8b})
+for shape in "${shaped[@]}"; do
+    case "$shape" in 1.7b) qtypes=(Q4_0 Q4_K_M) ;; 8b) qtypes=(Q4_K_M) ;; *) echo "unknown shape $shape" >&2; exit 1 ;; esac
+    need=0
+    for ty in "${qtypes[@]}"; do [[ "$force" == 1 || ! -s "$models/shaped-$shape.$ty.gguf" ]] && need=1; done
+    [[ "$need" == 1 ]] || continue
+    t=$(date +%s)
+    hf="$models/hf-shaped-$shape"
+    bf16="$models/shaped-$shape.BF16.gguf"
+    rm -rf "$hf"
+    "$venv_py" "$here/make_shaped_model.py" "$shape" "$hf"
+    "$conv/bin/python" "$src/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$bf16.tmp" 2>&1 | tail -n 3
+    mv "$bf16.tmp" "$bf16"
+    rm -rf "$hf"
+    for ty in "${qtypes[@]}"; do
+        out="$models/shaped-$shape.$ty.gguf"
+        "$tools/bin/llama-quantize" "$bf16" "$out.tmp" "$ty" "$jobs" > "$models/quantize-$shape-$ty.log" 2>&1 \
+            || { tail -n 20 "$models/quantize-$shape-$ty.log" >&2; exit 1; }
+        mv "$out.tmp" "$out"
+    done
+    rm -f "$bf16"
+    echo "$shape-shaped files in $(( $(date +%s) - t )) s"
+done
 ls -l "$q41" "$models"/*.gguf
 echo "setup_models done in $(( $(date +%s) - start )) s"
