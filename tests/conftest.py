@@ -34,8 +34,11 @@ HEAVY_FILES = {
     "tests/service/http/test_lm_eval.py": "lm-eval in a venv of its own, evaluating over HTTP",
     "tests/service/test_serve.py": "`make serve` and server processes on the real model",
     "tests/service/test_chaos.py": "server processes killed mid-stream",
+    "tests/service/test_unsupported_model.py": "server processes refusing a model",
     "tests/service/test_soak.py": "a 30 s soak",
     "tests/deploy/test_envoy.py": "Envoy and replica processes",
+    "tests/deploy/test_smg.py": "smg and replica processes",
+    "tests/deploy/test_smg_grpc.py": "the smg binary over a server's vLLM gRPC worker service",
     "tests/gpu/test_compile.py": "nvcc / NVRTC compiles of every kernel",
     "tests/gpu/test_numba_pack.py": "Numba CUDA kernels in the simulator",
     "tests/gpu/test_emulated_flash_decode.py": "the CUDA kernels compiled for the host and run",
@@ -52,6 +55,7 @@ SERIAL = {
     "tests/service/test_limits.py": "calls within 5 ms and 1 s",
     "tests/engine/speculative/test_policy.py": "the cost gate weighs measured step and draft times",
     "tests/service/test_chaos.py": "UNAVAILABLE within a bound after a kill",
+    "tests/deploy/test_smg.py": "smg sees a draining replica's 503 within a bound",
     "tests/client/test_retry.py": "retries within their time budget",
 }
 

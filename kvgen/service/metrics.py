@@ -1,5 +1,12 @@
 """Prometheus metrics on METRICS_PORT (/metrics), named as the OpenTelemetry GenAI conventions
-(gen_ai_server_*, with their bucket boundaries), vLLM and grpc-prometheus name them.
+(gen_ai_server_*, with their bucket boundaries), vLLM and grpc-prometheus name them. The HTTP port
+serves the same registry at /metrics (http/worker_routes.py).
+
+The gauges the Gateway API Inference Extension's endpoint picker reads (its model-server protocol,
+docs/proposals/003-model-server-protocol) are there under vLLM's names too, as aliases of kvgen's
+own, so an endpoint picker configured for vLLM reads kvgen as it is: vllm:num_requests_waiting,
+vllm:num_requests_running, vllm:kv_cache_usage_perc (a fraction, as vLLM's) and the info gauge
+vllm:cache_config_info{block_size, num_gpu_blocks}, which its prefix-cache scorer sizes itself by.
 
 Request metrics are observed once per request, on the engine thread, when the engine releases
 it (Engine.on_release); gauges are read at scrape time; RPC outcomes come from an interceptor.
@@ -94,10 +101,25 @@ class Metrics:
                            ["tier"], registry=r)
         tier_bytes.labels("warm").set_function(lambda: kv.tier_bytes(Tier.WARM))
         tier_bytes.labels("cold").set_function(lambda: kv.tier_bytes(Tier.COLD))
+        self._bind_vllm_aliases(gen)
         if kv.prefix is not None:
             r.register(_PrefixCollector(kv.prefix))
         self._sched = sched
         self._model = {h: h.labels(gen.cfg.name) for h in (self.ttft, self.tpot, self.duration)}
+
+    def _bind_vllm_aliases(self, gen) -> None:
+        """vLLM's names for the same counts, labelled by model_name as vLLM labels them."""
+        r, pool, sched = self.registry, gen.pool, gen.scheduler
+        kv, model = sched.kv, gen.cfg.name
+        for name, doc, read in (
+                ("vllm:num_requests_waiting", "kvgen_requests_waiting, by vLLM's name", lambda: len(sched.waiting)),
+                ("vllm:num_requests_running", "kvgen_requests_running, by vLLM's name", lambda: len(sched.running)),
+                ("vllm:kv_cache_usage_perc", "kvgen_kv_cache_usage_ratio, by vLLM's name (1 is all of it)",
+                 lambda: kv.used / pool.capacity)):
+            Gauge(name, doc, ["model_name"], registry=r).labels(model).set_function(read)
+        Gauge("vllm:cache_config_info", "The KV pool's shape, as vLLM's cache config info",
+              ["model_name", "block_size", "num_gpu_blocks"],
+              registry=r).labels(model, str(pool.block_size), str(pool.capacity)).set(1)
 
     def bind_load(self, load) -> None:
         """The rates GetLoad reports (service/server_load.py), from the same window, read at scrape time."""

@@ -25,6 +25,7 @@ from kvgen.service.server_load import Load
 from kvgen.service.servicer import GeneratorServicer
 from kvgen.service.settings import Settings
 from kvgen.service.tracing import Tracing
+from kvgen.service.vllm import servicer as vllm
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
@@ -70,9 +71,13 @@ class Server:
         self.servicer.tracing = self.tracing
         self.servicer.settings = settings  # limits for convert.prompt_of / check_request / check_batch
         pb_grpc.add_GeneratorServicer_to_server(self.servicer, self.grpc)
+        # vLLM's worker service (smg's grpc:// workers) beside it, through the same interceptors
+        self.vllm = vllm.VllmEngineServicer(self.servicer)
+        vllm.vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(self.vllm, self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        reflection.enable_server_reflection((SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        reflection.enable_server_reflection((SERVICE, vllm.SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                           self.grpc)
         address = f"{settings.host}:{settings.port}"
         self.port = self.grpc.add_secure_port(address, creds) if creds else self.grpc.add_insecure_port(address)
         self.tls = creds is not None
@@ -87,6 +92,8 @@ class Server:
         """Readiness: "" and the service's name. Liveness (LIVENESS) is the watchdog's."""
         for name in ("", SERVICE):
             await self.health.set(name, status)
+        if self.http:  # and the HTTP API's GET /health (http/worker_routes.py)
+            self.http.serving = status == health_pb2.HealthCheckResponse.SERVING
 
     async def start(self) -> None:
         await self.grpc.start()
@@ -101,8 +108,9 @@ class Server:
         listen(gen.engine, "on_release", load.on_release)
         self.servicer.load = self.load_report.load = load
         self.servicer.gen = gen
+        self.vllm.bind(gen)
         if self.http:
-            self.http.bind(gen)
+            self.http.bind(gen, load)
         if self.metrics:
             self.metrics.bind(gen)
             self.metrics.bind_load(load)

@@ -17,6 +17,9 @@ the model are the server's own, so they need no key.
 When the pool runs short, nodes that only the tree still holds are demoted, least recently
 used first, to the warm / cold tiers rather than dropped: a later hit brings them back. Past
 `tier_bytes`, the least recently used leaves leave the tree for good.
+
+Listeners (`listeners`, events.py) hear of every full block that joins the tree and every one
+that leaves it, by chain hash; a demoted block is still in the tree (a hit brings it back).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from kvgen.engine.kv import events
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.tiers import HOLE, TieredKV
@@ -39,10 +43,12 @@ class PrefixStats:
 
 
 class _Node:
-    __slots__ = ("key", "parent", "children", "holder", "used")
+    __slots__ = ("key", "parent", "children", "holder", "used", "hash")
 
-    def __init__(self, key: tuple[int, ...], parent: _Node | None, holder: PagedKVCache | None):
+    def __init__(self, key: tuple[int, ...], parent: _Node | None, holder: PagedKVCache | None,
+                 hash: int | None = None):
         self.key = key
+        self.hash = hash  # events.block_hash of its path (None: a root)
         self.parent = parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.holder = holder  # one block, one pool reference (None: a root)
@@ -63,6 +69,7 @@ class PrefixCache:
         self._roots: dict[str, _Node] = {}
         self._nodes: list[_Node] = []  # every non-root node
         self._tick = itertools.count(1)
+        self.listeners: list[events.PrefixListener] = []  # called on the engine thread (events.py)
 
     @property
     def blocks_held(self) -> int:
@@ -162,32 +169,41 @@ class PrefixCache:
         bs = self.block_size
         node = self._roots.setdefault(salt, _Node((), None, None))
         added, n = 0, min(table.length, len(tokens))
+        new: list[_Node] = []  # a chain: below a new node every node is new
+        stopped = False
         for i in range(n // bs):
             key = tuple(tokens[i * bs:(i + 1) * bs])
             child = node.children.get(key)
             if child is None:
                 block = table.blocks[i]
                 if block < 0:  # dropped behind a window, or demoted: nothing to index from here
-                    return added
-                child = node.children[key] = self._new_node(key, node, block, bs)
+                    stopped = True
+                    break
+                child = node.children[key] = self._new_node(key, node, block, bs, salt)
+                new.append(child)
                 added += 1
             child.used = next(self._tick)
             node = child
+        if new and self.listeners:
+            events.publish(self.listeners, events.BlocksStored(salt, new[0].parent.hash,
+                                                               [events.StoredBlock(c.hash, c.key) for c in new]))
+        if stopped:
+            return added
         if tail and n % bs and self._copies_rows():
             key = tuple(tokens[n - n % bs:n])
             block = table.blocks[n // bs]
             # a child that starts with these tokens (a full block, or an earlier tail) serves
             # the same copies already
             if block >= 0 and not any(k[:len(key)] == key for k in node.children):
-                node.children[key] = self._new_node(key, node, block, len(key))
+                node.children[key] = self._new_node(key, node, block, len(key), salt)
                 added += 1
         return added
 
-    def _new_node(self, key: tuple[int, ...], parent: _Node, block: int, rows: int) -> _Node:
+    def _new_node(self, key: tuple[int, ...], parent: _Node, block: int, rows: int, salt: str) -> _Node:
         holder = PagedKVCache(self.pool)
         holder.blocks, holder.length = [block], rows
         self.pool.share([block])
-        node = _Node(key, parent, holder)
+        node = _Node(key, parent, holder, events.block_hash(parent.hash, salt, key))
         node.used = next(self._tick)
         self._nodes.append(node)
         return node
@@ -227,6 +243,8 @@ class PrefixCache:
         del n.parent.children[n.key]
         self._nodes.remove(n)
         self.stats.evictions += 1
+        if self.listeners and len(n.key) == self.block_size:  # a tail leaf was never told of
+            events.publish(self.listeners, events.BlocksRemoved([n.hash]))
 
     def clear(self) -> None:
         """Drop every node (their pool references go back)."""
@@ -234,3 +252,5 @@ class PrefixCache:
             self.tiers.reset(n.holder)
         self._nodes.clear()
         self._roots.clear()
+        if self.listeners:
+            events.publish(self.listeners, events.CacheCleared())

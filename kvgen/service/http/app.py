@@ -3,7 +3,8 @@ API keys, traced and counted like the RPCs, and drained with them.
 
 Middlewares, outermost first: observe (a server span continuing the caller's W3C traceparent,
 and the http_server_request_duration_seconds histogram), answer errors (OpenAI's error JSON),
-authenticate (`Authorization: Bearer <key>` when API_KEY is set, checked as for gRPC).
+authenticate (`Authorization: Bearer <key>` when API_KEY is set, checked as for gRPC; /health and
+/metrics are open, as gRPC's health service and the metrics port are: worker_routes.py).
 A client that disconnects cancels its handler (handler_cancellation), and so its generation."""
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvgen.service.http import errors
 from kvgen.service.http.errors import HttpError
 from kvgen.service.http.routes import OpenAIRoutes
 from kvgen.service.http.tokenize_routes import TokenizerRoutes
+from kvgen.service.http.worker_routes import OPEN_PATHS, WorkerRoutes
 from kvgen.service.metrics import DURATION_BUCKETS, Metrics
 from kvgen.service.settings import Settings
 from kvgen.service.tracing import Tracing
@@ -52,14 +54,28 @@ class HttpApi:
                               client_max_size=settings.max_receive_bytes)
         self.routes.add_to(app)
         TokenizerRoutes(settings, self.routes.ready).add_to(app)  # what lm-eval's remote tokenizer reads
+        # what a router (smg, the GIE endpoint picker) reads: /health, /metrics, /v1/loads
+        self.worker = WorkerRoutes(settings, self.routes, metrics.registry if metrics is not None else None)
+        self.worker.add_to(app)
         # shutdown_timeout: in-flight calls may finish within the grace period, as RPCs do
         self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=settings.grace_s,
                                     access_log=None)
         self.port: int | None = None
 
-    def bind(self, gen: Generator) -> None:
-        """Serve gen (until then every call is 503: the model is loading)."""
+    def bind(self, gen: Generator, load=None) -> None:
+        """Serve gen (until then every call is 503: the model is loading); load: the server's
+        service/server_load.Load, for the rates /v1/loads reports."""
         self.routes.gen = gen
+        self.worker.load = load
+
+    @property
+    def serving(self) -> bool:
+        """The server's readiness, which GET /health reports (set with the gRPC health status)."""
+        return self.worker.serving
+
+    @serving.setter
+    def serving(self, value: bool) -> None:
+        self.worker.serving = value
 
     async def start(self) -> None:
         await self.runner.setup()
@@ -124,7 +140,7 @@ class HttpApi:
 
     @web.middleware
     async def _authenticate(self, request: web.Request, handler):
-        if self.auth is not None:
+        if self.auth is not None and request.path not in OPEN_PATHS:
             given = [("authorization", v) for v in request.headers.getall("Authorization", [])]
             if not self.auth.allows(given):
                 raise HttpError(401, DENIED, code="invalid_api_key")
