@@ -35,6 +35,7 @@ HEAVY_FILES = {
     "tests/service/test_serve.py": "`make serve` and server processes on the real model",
     "tests/service/test_chaos.py": "server processes killed mid-stream",
     "tests/service/test_unsupported_model.py": "server processes refusing a model",
+    "tests/engine/test_families.py": "llama.cpp's converter on a tiny model of each family (~3 min)",
     "tests/service/test_soak.py": "a 30 s soak",
     "tests/deploy/test_envoy.py": "Envoy and replica processes",
     "tests/deploy/test_smg.py": "smg and replica processes",

@@ -2,6 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import tempfile
+from pathlib import Path
+
 import torch
 
 from kvgen.engine.model_config import ModelConfig
@@ -95,7 +105,6 @@ _HF_ARCH_NAMES = {"llama": ("LlamaForCausalLM", "llama"), "mistral": ("MistralFo
 def write_hf_folder(folder, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer,
                     chat_template: str = CHATML_TEMPLATE) -> None:
     """config.json + model.safetensors + tokenizer.json + tokenizer_config.json, as HF writes them."""
-    import json
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -212,7 +221,6 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokeniz
     """A GGUF as llama.cpp's converter writes one: metadata, gpt2 tokenizer, permuted q/k (llama),
     2-D weights in `qtype` (default F32) or the type `types` gives their HF name (a mixture, as
     llama-quantize writes), 1-D tensors in F32."""
-    import json
 
     import gguf
     import numpy as np
@@ -272,3 +280,127 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokeniz
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+# --- tiny models of each family: a transformers config -> save_pretrained, and llama.cpp's own converter ---
+
+LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist whose vendored convert_hf_to_gguf.py converts
+_REPO = Path(__file__).resolve().parents[1]
+TEST_CACHE = Path.home() / ".cache" / "kvgen-tests"
+
+# Shapes small enough to run in well under a second a step, with GQA and two layers. Per family what
+# makes it that family (transformers' own config classes fill in the rest: Qwen3's q/k norms, Phi-3's
+# fused matrices come with the model type).
+FAMILY_SHAPES = {
+    "llama": dict(head_dim=16, rope_parameters={  # Llama 3.x's scaling, short enough to matter here
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen3": dict(head_dim=24),  # head_dim from the config, not hidden / heads (Qwen3's own models do this)
+    "phi3": dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                  "original_max_position_embeddings": 512}),
+    # Gemma 3 1B's layout: five windowed layers then a global one (what llama.cpp assumes for a gemma3 GGUF),
+    # a window short enough to slide within a test's prompts, a final logit cap low enough to bite
+    "gemma3": dict(head_dim=16, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16,
+                   final_logit_softcapping=5.0, tie_word_embeddings=True),
+}
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model type where it is not the GGUF family
+
+
+def family_model(family: str, vocab: int, seed: int = 0, **overrides):
+    """A transformers model of `family`, random weights at the scale tiny_weights uses (transformers' own
+    init, std 0.02, makes near-flat logits whose greedy picks hang on rounding)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    shape = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                 eos_token_id=2, tie_word_embeddings=False)
+    cfg = AutoConfig.for_model(_MODEL_TYPES.get(family, family), **{**shape, **FAMILY_SHAPES.get(family, {}),
+                                                                    **overrides})
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.5 if "embed_tokens" in name else 0.08))
+    return model
+
+
+def write_family_folder(folder, family: str, tokenizer, seed: int = 0, **overrides):
+    """An HF folder as transformers writes it (config.json, model.safetensors, generation_config.json)
+    with `tokenizer` (a transformers tokenizer) saved beside; the model returned, for the oracle."""
+    model = family_model(family, len(tokenizer), seed, **overrides)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if family == "phi3":  # a BPE phi3, as Phi-4-mini ships: the converter takes its vocabulary by this class
+        # (else it wants Phi-3's sentencepiece tokenizer.model)
+        tc = Path(folder) / "tokenizer_config.json"
+        tc.write_text(json.dumps({**json.loads(tc.read_text()), "tokenizer_class": "GPT2Tokenizer"}, indent=2))
+    return model
+
+
+def smollm2_hf_tokenizer():
+    """The embedded SmolLM2's tokenizer as transformers reads it from the GGUF: a real BPE whose
+    pre-tokenizer llama.cpp's converter recognises (it refuses a BPE it has no hash for)."""
+    from transformers import AutoTokenizer
+
+    from kvgen.engine.model_files import embedded_model_path
+
+    folder, name = os.path.split(embedded_model_path())
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def llama_cpp_sources():
+    """llama.cpp's sources as vendored in the llama-cpp-python sdist: bench/setup_models.sh's copy where
+    it is there, else one fetched once into ~/.cache/kvgen-tests (pip download of the sdist)."""
+
+    for src in (_REPO / "bench" / ".cache" / "llamacpp-src", TEST_CACHE / "llamacpp-src"):
+        if (src / ".version").exists() and (src / ".version").read_text().strip() == LLAMACPP_VERSION:
+            return src
+    src = TEST_CACHE / "llamacpp-src"
+    with tempfile.TemporaryDirectory() as work:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", "-d",
+                        work, f"llama-cpp-python=={LLAMACPP_VERSION}"], check=True, timeout=600)
+        sdist = next(Path(work).glob("llama_cpp_python-*.tar.gz"))
+        prefix = f"llama_cpp_python-{LLAMACPP_VERSION}/vendor/llama.cpp/"
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            tar.extractall(work + "/src", members=[m for m in members if m.name], filter="data")
+        src.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.move(work + "/src", src)
+    (src / ".version").write_text(LLAMACPP_VERSION + "\n")
+    return src
+
+
+def converter_python() -> str:
+    """A Python that runs convert_hf_to_gguf.py: this venv's packages plus sentencepiece (the converter
+    imports it for some vocabularies). bench/setup_models.sh's convert-venv, else one made the same way
+    in ~/.cache/kvgen-tests."""
+
+    for venv in (_REPO / "bench" / ".cache" / "convert-venv", TEST_CACHE / "convert-venv"):
+        py = venv / "bin" / "python"
+        if py.exists() and subprocess.run([str(py), "-c", "import sentencepiece, torch"]).returncode == 0:
+            return str(py)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    (Path(site) / "kvgen-venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "sentencepiece==0.2.3"], check=True, timeout=600)
+    return str(py)
+
+
+def convert_to_gguf(folder, out, outtype: str = "f32"):
+    """llama.cpp's convert_hf_to_gguf.py on an HF folder, in a subprocess with its own gguf-py first on
+    the path (the converter is written against it, not against the gguf package this venv has)."""
+    src = llama_cpp_sources()
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([converter_python(), str(src / "convert_hf_to_gguf.py"), str(folder), "--outfile", str(out),
+                        "--outtype", outtype], env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return out

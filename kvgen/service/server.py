@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -14,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry import trace
 
 from kvgen.engine.generator import Generator
+from kvgen.engine.model_config import UnsupportedModel
 from kvgen.service import transport
 from kvgen.service.auth import AuthInterceptor
 from kvgen.service.gate import GateInterceptor
@@ -161,7 +163,8 @@ class Server:
         await self._stopped.wait()
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings) -> int:
+    """The process's exit status: 0 after a drain, 2 when the model is one kvgen does not run."""
     server = Server(settings)
     if server.tracing:  # the process's tracer provider too, for anything else instrumented in it
         trace.set_tracer_provider(server.tracing.provider)
@@ -169,13 +172,23 @@ async def serve(settings: Settings) -> None:
     draining = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: draining or draining.append(asyncio.ensure_future(server.drain())))
-    await server.start()
+    try:
+        await server.start()
+    except UnsupportedModel as e:
+        # a file the user chose that kvgen cannot run: one line saying so, not a traceback; the
+        # listening ports close here, inside the loop (grpc's own shutdown would run after it closed)
+        log.error("not starting: %s", e)
+        await server.grpc.stop(0)
+        if server.http:
+            await server.http.stop()
+        return 2
     await server.wait()
+    return 0
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(Settings.from_env()))
+    sys.exit(asyncio.run(serve(Settings.from_env())))
 
 
 if __name__ == "__main__":
