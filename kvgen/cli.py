@@ -5,6 +5,7 @@
     kvgen --info
     kvgen --info --target host:443 --ca-file ca.pem --cert-file me.pem --key-file me.key
     KVGEN_TARGET=host:50051 KVGEN_API_KEY=... kvgen "Hi" --json | jq -r .text
+    kvgen --batch "Once upon a time" --batch "The capital of France is" --max-new-tokens 32
 
 --target defaults to $KVGEN_TARGET (else localhost:$PORT, else localhost:50051), --api-key to
 $KVGEN_API_KEY (else $API_KEY). --json prints one JSON object per line: each stream message (the
@@ -12,6 +13,11 @@ proto's JSON, as grpcurl prints it: the last carries finishReason, usage and tim
 info with --info, or {"error": {"code", "message", "fieldViolations"?, "retryDelay"?}} when the
 call fails (exit status 1). UNAVAILABLE before the first token is retried (--retries tries in
 all); --timeout bounds the whole call.
+
+--batch runs its prompts (and the positional one, first, if given) together in one
+BatchGenerateStream, with the same options: each entry's text is printed as `[i] text` once it
+is complete (its usage on stderr), a failed entry's error on stderr (exit status 1), the others
+going on; with --json every message of the stream as it comes (`index` names the entry).
 """
 
 from __future__ import annotations
@@ -53,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--regex", help="the output matches this regular expression")
     one.add_argument("--grammar", metavar="LARK", help="the output parses with this Lark grammar (text or @file)")
     one.add_argument("--choice", action="append", help="the output is one of the --choice values (repeatable)")
+    ap.add_argument("--batch", action="append", default=[], metavar="PROMPT",
+                    help="a prompt run together with the others in one batch stream (repeatable)")
     ap.add_argument("--info", action="store_true", help="print the served model's info and exit")
     ap.add_argument("--api-key", default=os.environ.get("KVGEN_API_KEY") or os.environ.get("API_KEY", ""),
                     help="the server's API key (default: $KVGEN_API_KEY, else $API_KEY)")
@@ -77,12 +85,14 @@ def main(argv: list[str] | None = None) -> int:
             info = client.model_info()
             print(_json(info.raw) if args.json else info.raw)
             return 0
-        if args.prompt is None:
+        if args.prompt is None and not args.batch:
             ap.error("a prompt is required")
-        prompt = args.prompt
-        if args.chat:
-            prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": args.prompt}]
+
+        def prompt_of(text: str):
+            if not args.chat:
+                return text
+            return ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": text}]
         sampling = {k: v for k, v in {
             "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_k": args.top_k,
             "top_p": args.top_p, "repetition_penalty": args.repetition_penalty, "seed": args.seed,
@@ -91,8 +101,12 @@ def main(argv: list[str] | None = None) -> int:
             "speculative": args.speculative,
             "prompt_logprobs": args.prompt_logprobs, **_constraint(args), **_logit_bias(ap, args.logit_bias),
         }.items() if v is not None}
+        if args.batch:
+            texts = ([args.prompt] if args.prompt is not None else []) + args.batch
+            return _batch_stream(client, [prompt_of(t) for t in texts], args.json, stop_strings=args.stop,
+                                 **sampling)
         first = last = None
-        for msg in client.stream(prompt, stop_strings=args.stop, **sampling):
+        for msg in client.stream(prompt_of(args.prompt), stop_strings=args.stop, **sampling):
             first = first or msg
             if args.json:  # every message whole, the last one with finish_reason, usage and timings
                 print(_json(msg.raw), flush=True)
@@ -125,6 +139,31 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         client.close()
+
+
+def _batch_stream(client: Client, prompts: list, as_json: bool, **kw) -> int:
+    """Run prompts as one BatchGenerateStream: print each message (--json), or each entry's text
+    once it is complete. 1 if any entry failed."""
+    texts: dict[int, list[str]] = {i: [] for i in range(len(prompts))}
+    failed = False
+    for item in client.batch_stream(prompts, **kw):
+        if as_json:
+            print(_json(item.raw), flush=True)
+        if item.error is not None:
+            failed = True
+            e = item.error
+            print(f"[{item.index}] error: {e.code().name}: {e.details()}", file=sys.stderr)
+            for v in e.field_violations:
+                print(f"[{item.index}]   {v.field}: {v.description}", file=sys.stderr)
+            continue
+        d = item.delta
+        texts[item.index].append(d.text)
+        if d.finish_reason and d.raw.index == 0 and not as_json:  # the entry (its first sample) is complete
+            print(f"[{item.index}] {''.join(texts[item.index])}", flush=True)
+            u = d.usage
+            print(f"[{item.index}] [FINISH_REASON_{d.finish_reason.name}; prompt {u.prompt_tokens}, "
+                  f"completion {u.completion_tokens}, cached {u.cached_tokens} tokens]", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _text_or_file(value: str) -> str:

@@ -29,6 +29,8 @@ from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
 REAL_MODEL = {"embedded", "gen", "make_gen", "server", "stub", "hf_model"}
 HEAVY_FILES = {
+    "tests/engine/test_lora.py": "writes PEFT adapters, runs transformers + PEFT as the oracle (~2 min)",
+    "tests/service/test_lora.py": "writes PEFT adapters for a server's tiny model",
     "tests/service/test_go_client.py": "installs Debian's Go toolchain, builds the Go client",
     "tests/service/test_node_client.py": "npm ci, the Node.js client's suite",
     "tests/service/http/test_lm_eval.py": "lm-eval in a venv of its own, evaluating over HTTP",
@@ -36,6 +38,7 @@ HEAVY_FILES = {
     "tests/service/test_chaos.py": "server processes killed mid-stream",
     "tests/service/test_unsupported_model.py": "server processes refusing a model",
     "tests/engine/test_families.py": "llama.cpp's converter on a tiny model of each family (~3 min)",
+    "tests/service/test_model_info_layout.py": "a tiny gemma2 made by transformers, servers on the real model",
     "tests/service/test_soak.py": "a 30 s soak",
     "tests/deploy/test_envoy.py": "Envoy and replica processes",
     "tests/deploy/test_smg.py": "smg and replica processes",

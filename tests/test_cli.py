@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -73,3 +74,31 @@ def test_cli_sampling_controls(capsys, server, monkeypatch):
         cli.main(["hi", "--logit-bias", "x=1", "--target", server.target])
     with pytest.raises(SystemExit):  # one constraint at most
         cli.main(["hi", "--regex", "a", "--json-object", "--target", server.target])
+
+
+def test_cli_batch_stream(capsys, server):
+    """--batch runs its prompts together: each entry's greedy text as the plain stream gives it, a
+    bad entry's error on stderr (exit status 1) while the others complete; --json prints every
+    message tagged by its entry."""
+    greedy = ("--temperature", "0", "--max-new-tokens", "6")
+    alone = [run(capsys, server, p, *greedy)[1].rstrip("\n") for p in (PARIS, "Once upon a time")]
+    code, out, err = run(capsys, server, PARIS, "--batch", "Once upon a time", *greedy)
+    assert code == 0, err
+    assert _entries(out) == {0: alone[0], 1: alone[1]}
+    assert "[0] [FINISH_REASON_LENGTH; prompt 5, completion 6" in err
+    code, out, err = run(capsys, server, "--batch", PARIS, "--batch", "", "--batch", "Once upon a time", *greedy)
+    assert code == 1 and "[1] error: INVALID_ARGUMENT" in err and "[1]   prompt:" in err
+    assert _entries(out) == {0: alone[0], 2: alone[1]}
+    code, out, _ = run(capsys, server, "--batch", PARIS, "--batch", "Once upon a time", "--json", *greedy)
+    msgs = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and {m.get("index", 0) for m in msgs} == {0, 1}
+    assert "".join(m["response"].get("text", "") for m in msgs if m.get("index", 0) == 1) == alone[1]
+
+
+def _entries(out: str) -> dict[int, str]:
+    """The CLI's `[i] text` blocks (a text may hold newlines), by entry, each printed once."""
+    parts = re.split(r"(?:^|\n)\[(\d+)\] ", out.rstrip("\n"))
+    assert parts[0] == "", out
+    got = {int(i): text for i, text in zip(parts[1::2], parts[2::2], strict=True)}
+    assert len(got) == len(parts) // 2, out
+    return got

@@ -302,6 +302,11 @@ FAMILY_SHAPES = {
     # a window short enough to slide within a test's prompts, a final logit cap low enough to bite
     "gemma3": dict(head_dim=16, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=16,
                    final_logit_softcapping=5.0, tie_word_embeddings=True),
+    # Gemma 2's layout: windowed and global layers alternating (layer 0 windowed), attention scores and
+    # logits soft-capped at caps low enough to bite (this model's raw scores reach ~3, its logits ~10);
+    # tied embeddings (the converter drops a gemma2 lm_head); queries by head_dim, what llama.cpp assumes
+    "gemma2": dict(head_dim=16, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=16,
+                   attn_logit_softcapping=1.5, final_logit_softcapping=5.0, tie_word_embeddings=True),
 }
 _MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model type where it is not the GGUF family
 
@@ -334,11 +339,27 @@ def write_family_folder(folder, family: str, tokenizer, seed: int = 0, **overrid
     model = family_model(family, len(tokenizer), seed, **overrides)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    if family == "gemma2":  # the converter takes a gemma2 vocabulary from a sentencepiece tokenizer.model only
+        write_sentencepiece_model(Path(folder) / "tokenizer.model")
     if family == "phi3":  # a BPE phi3, as Phi-4-mini ships: the converter takes its vocabulary by this class
         # (else it wants Phi-3's sentencepiece tokenizer.model)
         tc = Path(folder) / "tokenizer_config.json"
         tc.write_text(json.dumps({**json.loads(tc.read_text()), "tokenizer_class": "GPT2Tokenizer"}, indent=2))
     return model
+
+
+def write_sentencepiece_model(path, vocab: int = 400):
+    """A sentencepiece model trained on TINY_CORPUS, written to `path` (trained in converter_python(): the
+    test venv has no sentencepiece). Only the converter reads it, for a gemma2 GGUF's vocabulary: kvgen
+    serves the folder with its tokenizer.json, and does not read a GGUF's sentencepiece vocabulary
+    (tokenizer.py: byte-level BPE only), so the GGUF's tokens are not what the tests compare."""
+    script = ("import io, sys, sentencepiece as spm\n"
+              "m = io.BytesIO()\n"
+              "spm.SentencePieceTrainer.train(sentence_iterator=iter(sys.argv[2:]), model_writer=m, "
+              f"vocab_size={vocab}, model_type='bpe', byte_fallback=True, hard_vocab_limit=False, minloglevel=2)\n"
+              "open(sys.argv[1], 'wb').write(m.getvalue())\n")
+    subprocess.run([converter_python(), "-c", script, str(path), *TINY_CORPUS * 8], check=True, timeout=300)
+    return path
 
 
 def smollm2_hf_tokenizer():

@@ -6,6 +6,7 @@ package kvgen_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -193,6 +194,82 @@ func TestBatchFailsOneEntryAlone(t *testing.T) {
 		!errors.As(results[1].Err, &e) || e.Code != codes.InvalidArgument || e.Violations[0].Field != "sampling.max_new_tokens" ||
 		results[2].Err != nil || len(results[2].Response.TokenIDs) != 2 {
 		t.Fatalf("batch results %+v", results)
+	}
+}
+
+func TestBatchStreamTagsEachDeltaAndFailsOneEntryAlone(t *testing.T) {
+	c := dial(t)
+	reqs := []kvgen.Request{
+		{Prompt: "one", Sampling: greedy(5)},
+		{Prompt: "two", Sampling: kvgen.Sampling{MaxNewTokens: kvgen.Ptr[int32](0)}},
+		{TokenIDs: []int32{5, 6, 7}, Sampling: greedy(4)},
+	}
+	s, err := c.BatchStream(ctx(t), reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens := map[int][]int32{}
+	var entryErr error
+	for s.Next() {
+		d := s.Delta()
+		if d.Err != nil {
+			if d.Index != 1 || entryErr != nil {
+				t.Fatalf("entry %d failed: %v", d.Index, d.Err)
+			}
+			entryErr = d.Err
+			continue
+		}
+		tokens[d.Index] = append(tokens[d.Index], d.Delta.TokenIDs...)
+	}
+	if err := s.Err(); err != nil {
+		t.Fatal(err)
+	}
+	var e *kvgen.Error
+	if !errors.As(entryErr, &e) || e.Code != codes.InvalidArgument || e.Violations[0].Field != "sampling.max_new_tokens" {
+		t.Fatalf("entry 1: want InvalidArgument on sampling.max_new_tokens, got %v", entryErr)
+	}
+	for _, i := range []int{0, 2} {
+		alone, err := c.Generate(ctx(t), reqs[i])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if fmt.Sprint(tokens[i]) != fmt.Sprint(alone.TokenIDs) {
+			t.Fatalf("entry %d streamed %v; alone %v", i, tokens[i], alone.TokenIDs)
+		}
+	}
+	s, err = c.BatchStream(ctx(t), reqs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	results, err := s.Collect()
+	if err != nil || len(results) != 3 || results[0].Response.Usage.CompletionTokens != 5 ||
+		!errors.As(results[1].Err, &e) || len(results[2].Response.TokenIDs) != 4 ||
+		results[2].Response.FinishReason != kvgen.Length {
+		t.Fatalf("collected %+v, %v", results, err)
+	}
+}
+
+func TestClosingABatchStreamStopsEveryEntry(t *testing.T) {
+	c := dial(t)
+	s, err := c.BatchStream(ctx(t), []kvgen.Request{
+		{Prompt: "a long story", Sampling: greedy(1900)}, {Prompt: "another one", Sampling: greedy(1900)}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !s.Next() || s.Delta().Err != nil {
+		t.Fatal(s.Err(), s.Delta().Err)
+	}
+	s.Close()
+	if s.Next() {
+		t.Fatal("a closed batch stream went on")
+	}
+	load, err := c.Load(ctx(t))
+	for i := 0; err == nil && (load.Running > 0 || load.KVBlocksUsed > 0) && i < 200; i++ {
+		time.Sleep(50 * time.Millisecond)
+		load, err = c.Load(ctx(t))
+	}
+	if err != nil || load.Running != 0 || load.KVBlocksUsed != 0 {
+		t.Fatalf("the server still runs %+v, %v", load, err)
 	}
 }
 

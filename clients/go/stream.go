@@ -56,16 +56,20 @@ func (s *Stream) Close() {
 func (s *Stream) Collect() (*Response, error) {
 	r := &Response{}
 	for s.Next() {
-		d := s.Delta()
-		r.Text += d.Text
-		r.TokenIDs = append(r.TokenIDs, d.TokenIDs...)
-		r.Logprobs = append(r.Logprobs, d.Logprobs...)
-		if d.FinishReason != 0 {
-			r.FinishReason, r.MatchedStop = d.FinishReason, d.MatchedStop
-		}
-		if d.Usage != nil {
-			r.Usage = *d.Usage
-		}
+		r.add(s.Delta())
 	}
 	return r, s.Err()
+}
+
+// add appends a delta of the response's stream to it.
+func (r *Response) add(d Delta) {
+	r.Text += d.Text
+	r.TokenIDs = append(r.TokenIDs, d.TokenIDs...)
+	r.Logprobs = append(r.Logprobs, d.Logprobs...)
+	if d.FinishReason != 0 {
+		r.FinishReason, r.MatchedStop = d.FinishReason, d.MatchedStop
+	}
+	if d.Usage != nil {
+		r.Usage = *d.Usage
+	}
 }

@@ -237,13 +237,53 @@ class GenerateStream {
   async collect() {
     const messages = [];
     for await (const m of this) messages.push(m);
-    return {
-      text: messages.map((m) => m.text).join(''),
-      tokenIds: messages.flatMap((m) => m.tokenIds),
-      messages,
-      last: messages[messages.length - 1] ?? null,
-    };
+    return summarize(messages);
   }
+}
+
+/** One request's stream messages as {text, tokenIds, messages, last}. */
+function summarize(messages) {
+  return {
+    text: messages.map((m) => m.text).join(''),
+    tokenIds: messages.flatMap((m) => m.tokenIds),
+    messages,
+    last: messages[messages.length - 1] ?? null,
+  };
+}
+
+/**
+ * A running BatchGenerateStream call: an async iterator of BatchGenerateStreamResponse messages,
+ * `{index, result: 'response', response}` (a GenerateStreamResponse of entry `index`) or
+ * `{index, result: 'error', error}` (the google.rpc.Status that ended that entry; the others go
+ * on). Each entry's messages come in order, the entries' interleaved; cancel() as GenerateStream's.
+ */
+class BatchGenerateStream extends GenerateStream {
+  constructor(call, entries) {
+    super(call);
+    this.entries = entries;
+  }
+
+  /**
+   * Reads the stream to its end: per entry, in order, what GenerateStream.collect() gives (sample
+   * 0's, for an entry with n > 1), or {error} for an entry that failed.
+   */
+  async collect() {
+    const messages = Array.from({ length: this.entries }, () => []);
+    const errors = new Map();
+    for await (const m of this) {
+      if (m.result === 'error') errors.set(m.index, m.error);
+      else if (m.response.index === 0) messages[m.index]?.push(m.response);
+    }
+    return messages.map((ms, i) => (errors.has(i) ? { error: errors.get(i) } : summarize(ms)));
+  }
+}
+
+/** Cancels `stream` when `signal` aborts (at once if it already has). */
+function cancelOnAbort(stream, signal) {
+  if (!signal) return stream;
+  if (signal.aborted) stream.cancel();
+  else signal.addEventListener('abort', () => stream.cancel(), { once: true });
+  return stream;
 }
 
 // ---------------------------------------------------------------------------
@@ -320,12 +360,7 @@ class KvgenClient {
       this._metadata(opts),
       this._callOptions(opts),
     );
-    const s = new GenerateStream(call);
-    if (opts.signal) {
-      if (opts.signal.aborted) s.cancel();
-      else opts.signal.addEventListener('abort', () => s.cancel(), { once: true });
-    }
-    return s;
+    return cancelOnAbort(new GenerateStream(call), opts.signal);
   }
 
   /**
@@ -337,6 +372,20 @@ class KvgenClient {
   batch(requests, opts = {}) {
     const reqs = requests.map((r) => buildRequest(r.input, r.sampling, r));
     return this._unary('BatchGenerate', { requests: reqs }, opts);
+  }
+
+  /**
+   * Runs several requests together, as batch() does, streaming each one's messages as they are
+   * produced; one bad request fails alone (its last message is its error). Cancelling the stream
+   * (or opts.signal, or the deadline) ends every request.
+   * @param {Array<{input: any, sampling?: object, sessionId?: string, requestId?: string}>} requests
+   * @param {{deadlineMs?: number, signal?: AbortSignal, metadata?: object}} [opts]
+   * @returns {BatchGenerateStream}
+   */
+  batchStream(requests, opts = {}) {
+    const reqs = requests.map((r) => buildRequest(r.input, r.sampling, r));
+    const call = this._client.BatchGenerateStream({ requests: reqs }, this._metadata(opts), this._callOptions(opts));
+    return cancelOnAbort(new BatchGenerateStream(call, reqs.length), opts.signal);
   }
 
   /** @returns {Promise<object>} GetModelInfoResponse */
@@ -393,6 +442,7 @@ module.exports = {
   SESSION_HEADER,
   sessionLost,
   GenerateStream,
+  BatchGenerateStream,
   buildRequest,
   badRequestFields,
   errorDetails,

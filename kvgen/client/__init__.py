@@ -18,7 +18,8 @@
 AsyncClient (kvgen.client.aio) has the same methods as coroutines, over grpc.aio.
 
 - Results are frozen dataclasses (kvgen.client.results): Completion, StreamDelta, ModelInfo,
-  Load, AbortResult, SessionInfo; batch() gives one Completion or KvgenError per request.
+  Load, AbortResult, SessionInfo; batch() gives one Completion or KvgenError per request,
+  batch_stream() a BatchStream of BatchStreamDelta (entry index, and its delta or its error).
 - Errors are a KvgenError hierarchy (kvgen.client.errors), each still a grpc.RpcError, with the
   google.rpc details decoded: InvalidArgument.field_violations, ResourceExhausted.retry_delay, ...
 - UNAVAILABLE is retried with backoff for calls that never started (kvgen.client.retry.Retry;
@@ -27,10 +28,11 @@ AsyncClient (kvgen.client.aio) has the same methods as coroutines, over grpc.aio
   metadata, for a mesh to route by; the API key as `authorization: Bearer`.
 
 The modules: wire (requests and metadata), channels (plain/TLS channels, wait_serving), results,
-errors, retry, sync (Client, Stream, Session), aio (AsyncClient, AsyncStream, AsyncSession).
+errors, retry, sync (Client, Stream, BatchStream, Session), aio (AsyncClient, AsyncStream,
+AsyncBatchStream, AsyncSession).
 """
 
-from kvgen.client.aio import AsyncClient, AsyncSession, AsyncStream
+from kvgen.client.aio import AsyncBatchStream, AsyncClient, AsyncSession, AsyncStream
 from kvgen.client.channels import MAX_RECEIVE_BYTES, open_aio_channel, open_channel, wait_serving
 from kvgen.client.errors import (
                                  Cancelled,
@@ -49,6 +51,7 @@ from kvgen.client.errors import (
 )
 from kvgen.client.results import (
                                  AbortResult,
+                                 BatchStreamDelta,
                                  Completion,
                                  FinishReason,
                                  Load,
@@ -62,11 +65,12 @@ from kvgen.client.results import (
                                  Usage,
 )
 from kvgen.client.retry import NO_RETRY, Retry
-from kvgen.client.sync import Client, Session, Stream
+from kvgen.client.sync import BatchStream, Client, Session, Stream
 from kvgen.client.wire import REPLICA_TRAILER, SESSION_HEADER, replica, request, session_lost
 
 __all__ = [
-    "AbortResult", "AsyncClient", "AsyncSession", "AsyncStream", "Cancelled", "Client", "Completion",
+    "AbortResult", "AsyncBatchStream", "AsyncClient", "AsyncSession", "AsyncStream", "BatchStream",
+    "BatchStreamDelta", "Cancelled", "Client", "Completion",
     "DeadlineExceeded", "FieldViolation", "FinishReason", "Internal", "InvalidArgument", "KvgenError", "Load",
     "MAX_RECEIVE_BYTES", "ModelInfo", "NO_RETRY", "NotFound", "PermissionDenied", "PrefixCacheStats",
     "REPLICA_TRAILER", "ResourceExhausted", "Retry", "SESSION_HEADER", "Session", "SessionInfo", "Stream",

@@ -21,7 +21,7 @@ from kvgen.client import results as r
 from kvgen.client.channels import open_aio_channel, serving_status
 from kvgen.client.errors import Cancelled, KvgenError, NotFound, from_rpc_error, from_status
 from kvgen.client.retry import DEFAULT, Retry, deadline_of, remaining
-from kvgen.client.sync import collect
+from kvgen.client.sync import collect, collect_batch
 from kvgen.client.wire import Metadata, Prompt, auth_metadata, replica_of, request, with_session
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
@@ -63,7 +63,9 @@ class AsyncStream:
             if msg is grpc.aio.EOF:
                 raise StopAsyncIteration
             self.received += 1
-            return r.StreamDelta.of(msg)
+            return self._of(msg)
+
+    _of = staticmethod(r.StreamDelta.of)  # a message as this stream's items are
 
     async def collect(self) -> r.Completion:
         """Read the rest of the stream into one Completion."""
@@ -83,6 +85,23 @@ class AsyncStream:
     async def __aexit__(self, *exc) -> None:
         if not self._call.done():
             self.cancel()
+
+
+class AsyncBatchStream(AsyncStream):
+    """BatchStream's twin: the messages of one BatchGenerateStream call, as an async iterator of
+    BatchStreamDelta; retries and cancel() as AsyncStream's."""
+
+    def __init__(self, start: Callable[[float | None], grpc.aio.UnaryStreamCall], retry: Retry,
+                 deadline: float | None, entries: int):
+        super().__init__(start, retry, deadline)
+        self.entries = entries
+
+    _of = staticmethod(r.BatchStreamDelta.of)
+
+    async def collect(self) -> list[r.Completion | KvgenError]:
+        """Read the rest of the stream: per entry, in order, a Completion or its KvgenError."""
+        items = [x async for x in self]
+        return collect_batch(items, self.entries, replica_of(await self._call.trailing_metadata()))
 
 
 class AsyncClient:
@@ -138,6 +157,13 @@ class AsyncClient:
                                           self.metadata)
         return [r.Completion.of(x.response, replica) if x.HasField("response") else from_status(x.error)
                 for x in resp.results]
+
+    def batch_stream(self, prompts: Iterable[Prompt | pb.GenerateRequest], timeout: float | None = None,
+                     **kw) -> AsyncBatchStream:
+        reqs = [p if isinstance(p, pb.GenerateRequest) else request(p, **kw) for p in prompts]
+        msg = pb.BatchGenerateRequest(requests=reqs)
+        return AsyncBatchStream(lambda t: self.stub.BatchGenerateStream(msg, timeout=t, metadata=self.metadata),
+                                self.retry, self._deadline(timeout), len(reqs))
 
     async def model_info(self, timeout: float | None = None) -> r.ModelInfo:
         resp, _ = await self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout, self.metadata)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvgen.client.errors import KvgenError, from_status
 from kvgen.v1 import generate_pb2 as pb
 
 
@@ -121,6 +122,23 @@ class StreamDelta:
 
 
 @dataclass(frozen=True)
+class BatchStreamDelta:
+    """One message of a BatchGenerateStream: entry `index`'s next StreamDelta, or the error that
+    ended that entry (a KvgenError made from its google.rpc.Status; nothing more comes for it)."""
+
+    index: int  # the entry's position in the batch
+    delta: StreamDelta | None = None
+    error: KvgenError | None = None
+    raw: pb.BatchGenerateStreamResponse | None = field(default=None, repr=False, compare=False)
+
+    @classmethod
+    def of(cls, m: pb.BatchGenerateStreamResponse) -> BatchStreamDelta:
+        if m.WhichOneof("result") == "error":
+            return cls(m.index, error=from_status(m.error), raw=m)
+        return cls(m.index, delta=StreamDelta.of(m.response), raw=m)
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     name: str
     architecture: str
@@ -144,6 +162,12 @@ class ModelInfo:
     type_kernels: dict[str, str] = field(default_factory=dict)  # type -> kernel kind or weight dtype
     weight_bytes: int = 0  # the weights as the server holds them
     file_bytes: int = 0
+    # the attention layout: per layer, the latest positions a query sees (0: all); score and logit soft-caps
+    layer_windows: tuple[int, ...] = ()
+    attention_logit_softcap: float = 0.0  # 0: none
+    final_logit_softcap: float = 0.0
+    decode_path: str = ""  # fused | cuda-kernels | torch
+    decode_path_reason: str = ""  # why not a faster path, where torch
     raw: pb.GetModelInfoResponse | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -151,7 +175,8 @@ class ModelInfo:
         return cls(m.name, m.architecture, m.context_length, m.vocab_size, m.num_layers, m.num_heads, m.num_kv_heads,
                    m.head_dim, m.kv_dtype, m.weight_dtype, m.has_chat_template, tuple(m.eos_token_ids),
                    m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m.cpu_kernels,
-                   dict(m.tensor_types), dict(m.type_kernels), m.weight_bytes, m.file_bytes, m)
+                   dict(m.tensor_types), dict(m.type_kernels), m.weight_bytes, m.file_bytes, tuple(m.layer_windows),
+                   m.attention_logit_softcap, m.final_logit_softcap, m.decode_path, m.decode_path_reason, m)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,20 @@ def collect(deltas: Sequence[r.StreamDelta], replica: str = "") -> r.Completion:
                         replica)
 
 
+def collect_batch(items: Sequence[r.BatchStreamDelta], entries: int, replica: str = ""
+                  ) -> list[r.Completion | KvgenError]:
+    """A batch stream's messages as batch() gives them: per entry, in order, a Completion of its
+    deltas (sample 0's, with sampling.n > 1) or the error that ended it."""
+    deltas: list[list[r.StreamDelta]] = [[] for _ in range(entries)]
+    errors: dict[int, KvgenError] = {}
+    for item in items:
+        if item.error is not None:
+            errors[item.index] = item.error
+        elif item.raw is None or item.raw.response.index == 0:
+            deltas[item.index].append(item.delta)
+    return [errors[i] if i in errors else collect(d, replica) for i, d in enumerate(deltas)]
+
+
 class Stream:
     """The deltas of one GenerateStream call, as an iterator of StreamDelta. The call starts when
     the Stream is made, before the first next(). Until a message arrived, UNAVAILABLE is retried
@@ -56,7 +70,9 @@ class Stream:
                 self._call = self._start(remaining(self._deadline))
                 continue
             self.received += 1
-            return r.StreamDelta.of(msg)
+            return self._of(msg)
+
+    _of = staticmethod(r.StreamDelta.of)  # a message as this stream's items are
 
     def collect(self) -> r.Completion:
         """Read the rest of the stream into one Completion."""
@@ -78,6 +94,22 @@ class Stream:
 
     def __exit__(self, *exc) -> None:
         self.cancel()
+
+
+class BatchStream(Stream):
+    """The messages of one BatchGenerateStream call, as an iterator of BatchStreamDelta (each
+    entry's deltas in order, the entries' interleaved); retries, cancel() and `with` as Stream's."""
+
+    def __init__(self, start: Callable[[float | None], grpc.Call], retry: Retry, deadline: float | None,
+                 entries: int):
+        super().__init__(start, retry, deadline)
+        self.entries = entries
+
+    _of = staticmethod(r.BatchStreamDelta.of)
+
+    def collect(self) -> list[r.Completion | KvgenError]:
+        """Read the rest of the stream: per entry, in order, a Completion or its KvgenError."""
+        return collect_batch(list(self), self.entries, self.replica)
 
 
 class Client:
@@ -144,6 +176,16 @@ class Client:
                                     self.metadata)
         return [r.Completion.of(x.response, replica) if x.HasField("response") else from_status(x.error)
                 for x in resp.results]
+
+    def batch_stream(self, prompts: Iterable[Prompt | pb.GenerateRequest], timeout: float | None = None,
+                     **kw) -> BatchStream:
+        """Run requests together as batch() does, streaming each one's deltas as they come: a
+        BatchStream of BatchStreamDelta, each tagged by its entry's position; a failed entry ends
+        with its KvgenError and the others go on. cancel() (or the timeout) ends every entry."""
+        reqs = [p if isinstance(p, pb.GenerateRequest) else request(p, **kw) for p in prompts]
+        msg = pb.BatchGenerateRequest(requests=reqs)
+        return BatchStream(lambda t: self.stub.BatchGenerateStream(msg, timeout=t, metadata=self.metadata),
+                           self.retry, self._deadline(timeout), len(reqs))
 
     def model_info(self, timeout: float | None = None) -> r.ModelInfo:
         return r.ModelInfo.of(self._unary(self.stub.GetModelInfo, pb.GetModelInfoRequest(), timeout,

@@ -4,7 +4,8 @@ Each layer hands its new q, k, v to `backend.write_and_attend(fmt, store, layer,
 which stores k, v in the cache and returns the attention output. Two backends:
 
 TorchAttention   fmt.write, then the PyTorch code below (prefill, mixed and decode steps, any
-                 format, windows and chunks; the CPU path, and every step the kernels do not take).
+                 format, windows, chunks and Gemma 2's score soft-capping; the CPU path, and every
+                 step the kernels do not take).
 KernelAttention  kv_append + flash_decode (kvgen.gpu.ops) for decode steps: positions and lengths
                  come from device tensors (KernelStep), so a forward over them can be captured in
                  a CUDA graph. It gets the kernels handed in; model_runner picks it.
@@ -36,6 +37,7 @@ class Step:
     window: int = 0  # sliding window: a query sees the last `window` positions (0 = all)
     chunk: int = 0  # chunked attention: a query sees its own chunk of `chunk` positions (0 = off)
     decode_plan: tuple | None = None  # made by the first layer's decode attention (_decode_plan)
+    softcap: float = 0.0  # attention logit soft-capping (Gemma 2): scores = cap * tanh(scores / cap) (0 = off)
 
 
 class TorchAttention:
@@ -98,12 +100,12 @@ def attend(q: torch.Tensor, fmt: KVFormat, store: dict, layer: int, step: Step) 
         k = k.reshape(1, -1, fmt.num_kv_heads, fmt.head_dim)[:, :n_keys].transpose(1, 2)  # [1, KVH, L, D]
         v = v.reshape(1, -1, fmt.num_kv_heads, fmt.head_dim)[:, :n_keys].transpose(1, 2)
         qi = q[start:start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if n == ctx and not (step.window or step.chunk):
+        if n == ctx and not (step.window or step.chunk or step.softcap):
             o = F.scaled_dot_product_attention(qi, k, v, is_causal=True, enable_gqa=True)
         else:
             dev = q.device
             mask = visible(torch.arange(ctx - n, ctx, device=dev), torch.arange(k0, ctx, device=dev), step)
-            o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, enable_gqa=True)
+            o = _sdpa(qi, k, v, mask, step.softcap)
         out.append(o[0].transpose(0, 1))
         start += n
     return torch.cat(out) if len(out) > 1 else out[0]
@@ -131,8 +133,24 @@ def _decode(q, fmt, store, layer, step):
     k, v = fmt.read(store, layer, table)
     k = k.reshape(B, -1, kvh, D)[:, :max_keys].transpose(1, 2)  # [B, KVH, L, D]
     v = v.reshape(B, -1, kvh, D)[:, :max_keys].transpose(1, 2)
-    o = F.scaled_dot_product_attention(q.view(B, H, 1, D), k, v, attn_mask=keep, enable_gqa=True)
+    o = _sdpa(q.view(B, H, 1, D), k, v, keep, step.softcap)
     return o.view(B, H, D)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, softcap: float) -> torch.Tensor:
+    """SDPA (q [B, H, n, D], k / v [B, KVH, L, D], keep: bool, broadcast to [B, H, n, L] or None), with the
+    scores soft-capped before the mask and softmax where softcap: SDPA has no hook between the two, so that
+    runs as matmul, tanh, softmax, matmul (transformers' eager Gemma 2 attention, in the same order)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # each KV head serves its group of query heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _decode_plan(step: Step, block_size: int, device) -> tuple[torch.Tensor, int, torch.Tensor | None]:

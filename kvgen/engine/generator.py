@@ -32,6 +32,7 @@ from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.kv_samples import calibrate_format
+from kvgen.engine.lora import Adapter, AdapterStore
 from kvgen.engine.model import Model
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.request import Prompt, Request
@@ -41,7 +42,7 @@ from kvgen.engine.sequence import Event, Sequence
 from kvgen.engine.session import Session
 from kvgen.engine.speculative import MODES, DraftModel, Eagle, PromptLookup, load_head
 from kvgen.engine.tokenizer import TextTokenizer
-from kvgen.errors import InvalidRequest, Overloaded
+from kvgen.errors import InvalidRequest, NotFound, Overloaded
 
 log = logging.getLogger("kvgen.engine")
 
@@ -126,6 +127,12 @@ def _make_drafter(model: Model, opts: EngineOptions, model_path: str, draft: Mod
     return DraftModel(draft, opts.draft_kv_mb, opts.block_size, opts.max_running)
 
 
+def _salt(cache_salt: str, adapter: Adapter | None) -> str:
+    """The prefix cache's key for a request: K/V computed under one adapter is not another's (nor the
+    base model's), so the adapter's name and load are part of the salt (after a separator no id holds)."""
+    return cache_salt if adapter is None else f"{cache_salt}\x1flora:{adapter.name}#{adapter.serial}"
+
+
 def _window(opts: EngineOptions, cfg) -> int:
     """Sliding-window attention: the setting, else the model's own (0: none)."""
     return opts.attention_window or cfg.sliding_window or 0
@@ -142,6 +149,8 @@ class Generator:
         self.cfg = cfg = model.cfg
         self.tokenizer = tokenizer
         self.model = model
+        # LoRA adapters (LORA_ADAPTERS), checked against the model before anything else is made
+        self.adapters = AdapterStore.from_setting(opts.lora_adapters, model, opts.max_loras, opts.max_lora_rank)
         self.pool = in_fresh_thread(_make_pool, model, tokenizer, opts)  # see threads.py
         self.tiers = TieredKV(self.pool, codec=opts.kv_warm_codec, cold_dir=opts.kv_cold_dir or None)
         window = _window(opts, cfg)
@@ -226,20 +235,33 @@ class Generator:
             raise InvalidRequest(bad)
 
     async def request(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                      request_id: str = "", cache_salt: str = "") -> Request:
-        """Submit one request (not in a session). Raises InvalidRequest or Overloaded.
-        cache_salt: the prefix cache shares blocks only between requests with the same salt."""
+                      request_id: str = "", cache_salt: str = "", adapter: str = "") -> Request:
+        """Submit one request (not in a session). Raises InvalidRequest, NotFound (an adapter not
+        loaded) or Overloaded. cache_salt: the prefix cache shares blocks only between requests with
+        the same salt. adapter: the name of a loaded LoRA adapter ("": the base model)."""
+        self.adapter(adapter)  # an unknown name is refused before the prompt is tokenized
         ids = await self.prompt_ids(prompt)
         await self.compile(sampling)
-        return self.submit(ids, sampling, request_id, cache_salt=cache_salt)
+        return self.submit(ids, sampling, request_id, cache_salt=cache_salt, adapter=adapter)
 
     async def requests(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                       request_id: str = "", cache_salt: str = "") -> list[Request]:
+                       request_id: str = "", cache_salt: str = "", adapter: str = "") -> list[Request]:
         """Submit a request for sampling.n samples of one prompt (not in a session): one Request
         per sample, by index. The prompt is computed once; the other samples fork from its KV."""
+        self.adapter(adapter)
         ids = await self.prompt_ids(prompt)
         await self.compile(sampling)
-        return self.submit_n(ids, sampling, request_id, cache_salt=cache_salt)
+        return self.submit_n(ids, sampling, request_id, cache_salt=cache_salt, adapter=adapter)
+
+    def adapter(self, name: str) -> Adapter | None:
+        """The loaded LoRA adapter of this name (None for "": the base model); NotFound names it."""
+        if not name:
+            return None
+        found = self.adapters.get(name)
+        if found is None:
+            loaded = ", ".join(self.adapters.names()) or "none"
+            raise NotFound(f"LoRA adapter {name[:128]!r} is not loaded (loaded: {loaded})")
+        return found
 
     async def compile(self, sampling: SamplingParams | None) -> None:
         """Compile the request's constraint, if any, off the event loop when it is not cached
@@ -249,27 +271,33 @@ class Generator:
             await asyncio.to_thread(self.grammars.matcher, c)
 
     def submit_n(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
-                 cache_salt: str = "") -> list[Request]:
+                 cache_salt: str = "", adapter: str = "") -> list[Request]:
         """As submit, for sampling.n samples: sample i runs with seed + i (when seeded) and joins
         the engine with the first one's KV once its prompt is computed (Engine._fork)."""
         params = sampling or SamplingParams()
         self.check(ids, params)
-        first = self.submit(ids, replace(params, n=1), request_id, cache_salt=cache_salt, _held=True)
+        first = self.submit(ids, replace(params, n=1), request_id, cache_salt=cache_salt, adapter=adapter,
+                            _held=True)
         reqs = [first]
         for i in range(1, params.n):
             seed = None if params.seed is None else (params.seed + i) % 2**64
             reqs.append(self.submit(ids, replace(params, n=1, seed=seed), request_id, cache_salt=cache_salt,
-                                    _fork_of=first))
+                                    adapter=adapter, _fork_of=first))
         self.engine.submit(first.seq)
         return reqs
 
     def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
                session: Session | None = None, keep: int = 0, cache_salt: str = "", *,
-               shift: tuple[int, int] | None = None, _held: bool = False,
+               shift: tuple[int, int] | None = None, adapter: str = "", _held: bool = False,
                _fork_of: Request | None = None) -> Request:
         """Hand token ids to the engine; call on the event loop that will read the Request.
         shift: a session turn's context shift (kept blocks, dropped blocks; KVManager.shift).
+        adapter: a loaded LoRA adapter's name (a session's turn runs with the session's adapter).
         (_held / _fork_of: submit_n's, for samples that start together.)"""
+        lora = getattr(session, "adapter", None) if session is not None else self.adapter(adapter)
+        if session is not None and adapter and (lora is None or lora.name != adapter):
+            raise InvalidRequest([("adapter", f"the session runs with {lora.name if lora else 'the base model'!r}; "
+                                              "a session keeps the adapter it was created with")])
         params = sampling or SamplingParams()
         self.check(ids, params)
         if params.n != 1:
@@ -282,8 +310,10 @@ class Generator:
         table = session.cache if session else self.scheduler.kv.new_table()
         seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, req.deliver, table,
                        request_id or uuid.uuid4().hex, keep_kv=session is not None,
-                       resume_from=keep if session else None, on_release=req.on_release, cache_salt=cache_salt,
-                       matcher=matcher)
+                       resume_from=keep if session else None, on_release=req.on_release,
+                       cache_salt=_salt(cache_salt, lora), matcher=matcher, adapter=lora)
+        if lora is not None:
+            lora.requests += 1
         seq.shift = shift
         req.bind(seq, lambda: self.engine.cancel(seq))
         if _fork_of is not None:
@@ -342,7 +372,9 @@ class Generator:
 
     # sessions
 
-    def new_session(self, session_id: str = "") -> Session:
+    def new_session(self, session_id: str = "", adapter: str = "") -> Session:
+        """adapter: a loaded LoRA adapter's name; every turn of the session runs with it."""
+        lora = self.adapter(adapter)
         with self._sessions_lock:
             if len(self.sessions) >= self.options.max_sessions:
                 raise Overloaded(f"{len(self.sessions)} sessions open (MAX_SESSIONS)", retry_after=5.0)
@@ -350,6 +382,7 @@ class Generator:
             if sid in self.sessions:
                 raise InvalidRequest([("session_id", "a session with this id is already open")])
             s = self.sessions[sid] = Session(self, sid)
+            s.adapter = lora
         return s
 
     def get_session(self, session_id: str) -> Session | None:

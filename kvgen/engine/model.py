@@ -1,4 +1,4 @@
-"""A Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 3) over the paged KV cache.
+"""A Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) over the paged KV cache.
 
 Weights are fused where the math allows (q|k|v, gate|up) so one decode step is a few
 hundred torch calls: at 135M parameters, dispatch cost, not arithmetic, sets the pace.
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks, compile_kernels
 from kvgen.engine.attention import TORCH_ATTENTION, KernelAttention, KernelStep, Step, TorchAttention
-from kvgen.engine.model_config import ModelConfig, UnsupportedModel
+from kvgen.engine.model_config import GEMMAS, ModelConfig, UnsupportedModel
 
 WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "gguf")
 CUDA_WEIGHT_DTYPES = ("auto", "fp32", "bf16")  # int8 / int4 / gguf run CPU-only kernels
@@ -213,7 +213,7 @@ class Layer:
         self.gate_up = make_linear(w, gate_up, dtype, blocks)
         self.down = make_linear(w, [mlp + "down_proj.weight"], dtype, blocks)
         # Gemma's norms multiply by (1 + w) (HF's weights are w; model_files gives a GGUF's the same way)
-        shift = 1.0 if cfg.architecture == "gemma3" else 0.0
+        shift = 1.0 if cfg.architecture in GEMMAS else 0.0
 
         def norm(name: str, t=lambda x: x) -> RMSNorm | None:
             return RMSNorm(t(w[name] + shift).to(act), cfg.rms_norm_eps) if name in w else None
@@ -282,7 +282,7 @@ class Model:
         embed = weights["model.embed_tokens.weight"]  # floats: the lookup (and the fused step) index it
         self.embed = embed.to(act)
         self.layers = [Layer(cfg, weights, i, weight_dtype, act, blocks) for i in range(cfg.num_layers)]
-        self.norm = RMSNorm((weights["model.norm.weight"] + (1.0 if cfg.architecture == "gemma3" else 0.0)).to(act),
+        self.norm = RMSNorm((weights["model.norm.weight"] + (1.0 if cfg.architecture in GEMMAS else 0.0)).to(act),
                             cfg.rms_norm_eps)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         # tied: the embedding tensor already made, not a second copy
@@ -296,11 +296,16 @@ class Model:
         # query_pre_attn_scalar^-1/2 (SDPA divides by sqrt(head_dim): the ratio is folded into q); GELU-tanh
         self.rot_local = (rope_tables(cfg, cfg.context_length, cfg.local_rope_theta) if cfg.local_rope_theta
                           else self.rot)
-        self.gemma = cfg.architecture == "gemma3"
+        self.gemma = cfg.architecture in GEMMAS
         self.embed_scale = torch.tensor(cfg.hidden_size ** 0.5, dtype=act) if self.gemma else None
         self.q_scale = ((cfg.head_dim / cfg.query_pre_attn_scalar) ** 0.5
                         if cfg.query_pre_attn_scalar and cfg.query_pre_attn_scalar != cfg.head_dim else None)
         self.windows = sorted({layer.window for layer in self.layers} - {0})
+        # what the GPU kernels (KernelAttention) do not compute: such a model attends through torch on every
+        # step, and model_runner takes that path for it (None: the kernels may serve it)
+        why = ([f"per-layer sliding windows {self.windows}"] if self.windows else []) + (
+            [f"attention logit soft-capping at {cfg.attn_logit_softcap}"] if cfg.attn_logit_softcap else [])
+        self.torch_attention_why = " and ".join(why) or None
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         if device.type != "cpu":
@@ -371,11 +376,12 @@ class Model:
         T = input_ids.shape[0]
         rot = self.rot[step.positions].unsqueeze(1)
         rot_local = rot if self.rot_local is self.rot else self.rot_local[step.positions].unsqueeze(1)
-        steps = {0: step}  # per window, the step its layers attend with (each makes its own decode plan)
-        if self.windows:
-            if isinstance(step, KernelStep):
-                raise ValueError("per-layer sliding windows run on the torch attention path only")
-            steps.update({w: replace(step, window=w, decode_plan=None) for w in self.windows})
+        if self.torch_attention_why is not None and isinstance(step, KernelStep):
+            raise ValueError(f"{self.torch_attention_why}: the torch attention path only")
+        cap = cfg.attn_logit_softcap or 0.0
+        steps = {0: replace(step, softcap=cap) if cap else step}  # per window, the step its layers attend with
+        # (each makes its own decode plan)
+        steps.update({w: replace(step, window=w, decode_plan=None, softcap=cap) for w in self.windows})
         nq, nkv = cfg.num_heads, cfg.num_kv_heads
         half = cfg.intermediate_size
         h = self.embed[input_ids]

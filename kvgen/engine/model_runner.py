@@ -43,6 +43,7 @@ from kvgen import gpu
 from kvgen.cpu.threads import in_fresh_thread
 from kvgen.engine.attention import KernelAttention, KernelStep, Step
 from kvgen.engine.fused_decode import FusedDecode
+from kvgen.engine.lora import LoraBatch
 from kvgen.engine.model import Model
 from kvgen.gpu import ops as gpu_ops  # imports without CuPy; called only on a kernel step
 from kvgen.gpu.graphs import GraphRunner, buckets_for
@@ -101,7 +102,8 @@ class ModelRunner:
         self.device = model.device
         self.window, self.chunk = window, chunk
         self.width = width or -(-model.cfg.context_length // fmt.block_size)
-        self.kernel_attention = pick_kernel_attention(self.device, fmt, model.cfg.head_dim, window, chunk, kernels)
+        self.kernel_attention = None if model.torch_attention_why else pick_kernel_attention(  # Model's why
+            self.device, fmt, model.cfg.head_dim, window, chunk, kernels)
         self.graphs: GraphRunner | None = None
         if self.kernel_attention is not None:
             # Buckets are captured lazily, on the first step of each size: the warm-up run before
@@ -143,7 +145,7 @@ class ModelRunner:
         elif fusable:
             logits = self._split_step(batch, wanted, fusable)
         elif self.kernel_attention is not None and not self.keep_features and all(
-                n == 1 and not m for _, n, m in wanted):
+                n == 1 and not m and _adapter(seq) is None for seq, n, m in wanted):
             logits = self._decode_with_kernels(batch)
         else:
             logits = self._forward(batch, wanted)
@@ -161,7 +163,7 @@ class ModelRunner:
         row then goes through the very operations a decode row does, whatever the chunk: its K/V
         and logits do not depend on how the prompt was cut, on what shares the step, or on
         whether the prefix cache supplied the tokens before it."""
-        return (self.fused is not None and seq.cache.kv_start == 0
+        return (self.fused is not None and seq.cache.kv_start == 0 and _adapter(seq) is None  # LoRA: Model.forward
                 and (n == 1 and not m or self._fused_chunks and (not seq.draft or m == n - 1)))
 
     def _split_step(self, batch: Batch, wanted, fusable: list[int]) -> torch.Tensor:
@@ -246,12 +248,13 @@ class ModelRunner:
             chunk=self.chunk,
         )
         input_ids = torch.tensor(ids)
+        lora = LoraBatch.of([(_adapter(seq), n) for seq, n, _ in wanted], self.device)
         if self.device.type != "cpu":
             step, input_ids = _to_device(step, self.device), input_ids.to(self.device)
         if not self.keep_features:
-            return self.model.forward(input_ids, step, self.fmt, self.store)
+            return self.model.forward(input_ids, step, self.fmt, self.store, lora=lora)
         out: list = []
-        logits = self.model.forward(input_ids, step, self.fmt, self.store, features=out)
+        logits = self.model.forward(input_ids, step, self.fmt, self.store, features=out, lora=lora)
         self._keep_features(wanted, out[0])
         return logits
 
@@ -286,6 +289,11 @@ class ModelRunner:
         logits = self.model.forward(inputs["tokens"].long(), step, self.fmt, self.store, self.kernel_attention)
         self.kernel_attention.advance(step)  # after the last layer has read the lengths
         return logits
+
+
+def _adapter(seq):
+    """seq's LoRA adapter (lora.Adapter), None for the base model (and for a draft model's rows)."""
+    return getattr(seq, "adapter", None)
 
 
 def _extra_rows(seq, n: int) -> int:

@@ -67,12 +67,13 @@ class Sequence:
     on_release: called on the engine thread once the engine has let go of the KV blocks.
     cache_salt: the prefix cache shares blocks only between requests with the same salt.
     matcher: the llguidance matcher of the request's constraint (None: unconstrained); it is fed
-    every sampled token and ends the output once the constraint is complete."""
+    every sampled token and ends the output once the constraint is complete.
+    adapter: the LoRA adapter (lora.Adapter) its rows run with (None: the base model)."""
 
     def __init__(self, prompt_ids: list[int], params: SamplingParams, tokenizer: TextTokenizer,
                  eos_ids: list[int], emit, cache: PagedKVCache, request_id: str = "", *,
                  keep_kv: bool = False, resume_from: int | None = None, on_release=None, cache_salt: str = "",
-                 matcher=None):
+                 matcher=None, adapter=None):
         self.seq_id = next(_ids)
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -83,6 +84,7 @@ class Sequence:
         self.cached_tokens = 0  # prompt tokens whose KV a session had cached (set at admission)
         self.keep_kv = keep_kv
         self.cache_salt = cache_salt  # requests share prefix-cache blocks only under the same salt
+        self.adapter = adapter
         self.resume_from = resume_from
         self.on_release = on_release
         self.tokenizer = tokenizer

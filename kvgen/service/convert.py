@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import re
+from collections import Counter
 
 from kvgen.engine.constraint import Constraint
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.sequence import Event
 from kvgen.engine.tokenizer import TextTokenizer
 from kvgen.errors import InvalidRequest
-from kvgen.service.errors import clip
+from kvgen.service.errors import clip, to_status
 from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2 as pb
 
@@ -64,6 +65,8 @@ def check_request(req: pb.GenerateRequest, settings: Settings | None = None) -> 
         bad.append(("request_id", f"is {len(req.request_id)} characters; at most {MAX_ID_CHARS}"))
     if len(req.cache_salt) > MAX_ID_CHARS:
         bad.append(("cache_salt", f"is {len(req.cache_salt)} characters; at most {MAX_ID_CHARS}"))
+    if len(req.adapter) > MAX_ID_CHARS:
+        bad.append(("adapter", f"is {len(req.adapter)} characters; at most {MAX_ID_CHARS}"))
     bad += [(f"sampling.{f}", d) for f, d in sampling_of(req).validate()]
     if bad:
         raise InvalidRequest(bad)
@@ -146,6 +149,13 @@ def stream_message(ev: Event, request_id: str, tok: TextTokenizer) -> pb.Generat
         index=ev.index)
 
 
+def batch_stream_message(index: int, item: pb.GenerateStreamResponse | Exception) -> pb.BatchGenerateStreamResponse:
+    """A BatchGenerateStream message: entry `index`'s stream message, or the error that ended it."""
+    if isinstance(item, Exception):
+        return pb.BatchGenerateStreamResponse(index=index, error=to_status(item))
+    return pb.BatchGenerateStreamResponse(index=index, response=item)
+
+
 def response(samples: list[Event], request_id: str, tok: TextTokenizer) -> pb.GenerateResponse:
     """One request's reply: its only sample, or (n > 1) sample 0 with every sample in choices."""
     out = _sample(samples[0], request_id, tok)
@@ -162,3 +172,12 @@ def _sample(r: Event, request_id: str, tok: TextTokenizer) -> pb.GenerateRespons
         request_id=request_id, text=r.text, token_ids=r.token_ids, finish_reason=int(r.finish_reason or 0),
         matched_stop=r.matched_stop, usage=_usage(r.usage), logprobs=_logprobs(r.logprobs, tok),
         timings=_timings(r.timings), prompt_logprobs=_logprobs(r.prompt_logprobs, tok), index=r.index)
+
+
+def lora_adapters(gen) -> list[pb.LoraAdapter]:
+    """GetModelInfo's and GetLoad's adapters: each loaded one, with its requests so far and those
+    running and waiting now (read from the engine's lists, as GetLoad's other counts are)."""
+    running = Counter(seq.adapter.name for seq in list(gen.scheduler.running) if seq.adapter is not None)
+    waiting = Counter(seq.adapter.name for seq in list(gen.scheduler.waiting) if seq.adapter is not None)
+    return [pb.LoraAdapter(name=a.name, rank=a.rank, target_modules=a.targets, requests=a.requests,
+                           running=running[a.name], waiting=waiting[a.name]) for a in gen.adapters.adapters.values()]

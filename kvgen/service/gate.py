@@ -25,6 +25,7 @@ CHECKS = {
     _PREFIX + "Generate": convert.check_request,
     _PREFIX + "GenerateStream": convert.check_request,
     _PREFIX + "BatchGenerate": convert.check_batch,
+    _PREFIX + "BatchGenerateStream": convert.check_batch,
     _PREFIX + "CloseSession": lambda req, settings: convert.check_session_id(req.session_id),
     _PREFIX + "CreateSession": routing.check_create_session,
     _PREFIX + "Abort": control.check_abort,

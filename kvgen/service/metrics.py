@@ -57,6 +57,8 @@ class Metrics:
         self.generation_tokens = Counter("kvgen_generation_tokens", "Tokens generated", registry=r)
         self.finished = Counter("kvgen_requests_finished", "Requests finished, by finish reason",
                                 ["finish_reason"], registry=r)
+        self.lora_finished = Counter("kvgen_lora_requests_finished", "Requests finished, by LoRA adapter",
+                                     ["adapter"], registry=r)
         for reason in sorted(set(FINISH_REASONS.values())):
             self.finished.labels(reason)
         # speculative decoding, per request that drafted
@@ -120,6 +122,7 @@ class Metrics:
         Gauge("vllm:cache_config_info", "The KV pool's shape, as vLLM's cache config info",
               ["model_name", "block_size", "num_gpu_blocks"],
               registry=r).labels(model, str(pool.block_size), str(pool.capacity)).set(1)
+        r.register(_LoraCollector(gen))
 
     def bind_load(self, load) -> None:
         """The rates GetLoad reports (service/server_load.py), from the same window, read at scrape time."""
@@ -154,6 +157,8 @@ class Metrics:
         self.generation_tokens.inc(len(seq.output_ids))
         if seq.finish_reason is not None:
             self.finished.labels(FINISH_REASONS[seq.finish_reason]).inc()
+        if seq.adapter is not None:
+            self.lora_finished.labels(seq.adapter.name).inc()
         if seq.drafted:
             self.drafted.inc(seq.drafted)
             self.accepted.inc(seq.accepted)
@@ -165,6 +170,26 @@ class Metrics:
 
     def serve(self, port: int, host: str = "0.0.0.0"):
         return start_http_server(port, addr=host, registry=self.registry)
+
+
+class _LoraCollector:
+    """vLLM's vllm:lora_requests_info, read at scrape time: the adapters of the running and the waiting
+    requests (comma-separated label values) and MAX_LORAS, valued the scrape's time as vLLM's is; an
+    endpoint picker (Gateway API Inference Extension) sends a request to a replica that holds its adapter."""
+
+    def __init__(self, gen):
+        self.gen = gen
+
+    def collect(self):
+        sched = self.gen.scheduler
+
+        def names(seqs) -> str:
+            return ",".join(sorted({seq.adapter.name for seq in list(seqs) if seq.adapter is not None}))
+
+        g = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests (vLLM's)",
+                              labels=["running_lora_adapters", "max_lora", "waiting_lora_adapters"])
+        g.add_metric([names(sched.running), str(self.gen.options.max_loras), names(sched.waiting)], time.time())
+        yield g
 
 
 class _PrefixCollector:

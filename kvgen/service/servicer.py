@@ -73,15 +73,21 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         params = convert.sampling_of(req)
         if span is not None:
             tracing.start_request(span, req, params, gen.cfg.name, request_id, stream, req.session_id)
+            if req.adapter:
+                span.set_attribute("kvgen.lora_adapter", req.adapter)
         convert.check_request(req, self.settings)  # the gate did it for a whole call; not for a batch entry
         prompt = convert.prompt_of(req, self.settings)
         if req.session_id:
             if params.n != 1:
                 raise InvalidRequest([("sampling.n", "a session turn has one continuation: n must be 1")])
             session = self._session(gen, req.session_id, key)
+            if req.adapter and req.adapter != getattr(session.adapter, "name", ""):
+                raise InvalidRequest([("adapter", "a session keeps the adapter it was created with "
+                                                  "(CreateSessionRequest.adapter)")])
             requests = [await session.request(prompt, params, request_id)]
         else:
-            requests = await gen.requests(prompt, params, request_id, cache_salt=req.cache_salt)
+            requests = await gen.requests(prompt, params, request_id, cache_salt=req.cache_salt,
+                                          adapter=req.adapter)
         with ExitStack() as tracked:
             for r in requests:
                 tracked.enter_context(self.inflight.track(key, request_id, r))
@@ -144,12 +150,45 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 results.append(pb.BatchGenerateResult(response=convert.response(out, rid, self.gen.tokenizer)))
         return pb.BatchGenerateResponse(results=results)
 
+    async def BatchGenerateStream(self, request, context):
+        try:
+            self._ready()
+        except Exception as e:
+            await _abort(context, e)
+        ids = [r.request_id or uuid.uuid4().hex for r in request.requests]
+        # Each entry runs in a task of its own, all started before any is read, so the scheduler
+        # batches them; leaving (the call cancelled, its deadline past) cancels every entry.
+        entries = [self._entry_stream(r, i, context) for r, i in zip(request.requests, ids, strict=True)]
+        async with aclosing(_interleaved(entries)) as items:
+            async for index, item in items:
+                yield convert.batch_stream_message(index, item)
+
+    async def _entry_stream(self, request, request_id, context) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """One BatchGenerateStream entry's GenerateStream messages, under a request span of its own."""
+        with self.tracing.request_span(True) if self.tracing else _NO_SPAN:
+            async with aclosing(self._events(request, request_id, stream=True, context=context)) as events:
+                async for ev in events:
+                    yield convert.stream_message(ev, request_id, self.gen.tokenizer)
+
     async def GetModelInfo(self, request, context):
         try:
             gen = self._ready()
         except Exception as e:
             await _abort(context, e)
         cfg = gen.cfg
+        # the attention layout, and which code runs a decode step (engine.ModelRunner's choice) and why not faster
+        from kvgen.engine.fused_decode import FusedDecode
+
+        runner, model = gen.engine.runner, gen.model
+        path, why = ("fused", "") if runner.fused is not None else ("cuda-kernels", "") \
+            if runner.kernel_attention is not None else ("torch", model.torch_attention_why or (
+                f"attention window {runner.window} / chunk {runner.chunk}: neither the fused step nor the kernels "
+                "mask keys" if runner.window or runner.chunk else None) or (
+                f"KV format {runner.fmt.name} at head dim {cfg.head_dim}: the CUDA kernels do not serve it"
+                if model.device.type == "cuda" else FusedDecode.why_not(model, runner.fmt)) or "")
+        layout = dict(layer_windows=[layer.window or runner.window for layer in model.layers],
+                      attention_logit_softcap=cfg.attn_logit_softcap or 0.0,
+                      final_logit_softcap=cfg.final_logit_softcap or 0.0, decode_path=path, decode_path_reason=why)
         return pb.GetModelInfoResponse(
             name=cfg.name, architecture=cfg.architecture, context_length=cfg.context_length,
             vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -159,7 +198,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device),
             prefix_cache=gen.scheduler.kv.prefix is not None, cpu_kernels=kernel_path(gen.model),
             tensor_types=cfg.tensor_types, type_kernels=type_kernels(gen.model), weight_bytes=gen.model.weight_bytes(),
-            file_bytes=cfg.file_bytes)
+            file_bytes=cfg.file_bytes, adapters=convert.lora_adapters(gen), **layout)
 
     async def CreateSession(self, request, context):
         try:
@@ -169,7 +208,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             if key and per_key and sum(k == key for k in self.owners.values()) >= per_key:
                 raise Overloaded(f"{per_key} sessions already open with this API key (MAX_SESSIONS_PER_KEY)",
                                  retry_after=5.0)
-            s = gen.new_session(routing.new_session_id(request.session_id, context))
+            s = gen.new_session(routing.new_session_id(request.session_id, context), adapter=request.adapter)
         except Exception as e:
             await _abort(context, e)
         self.owners[s.session_id] = key
@@ -206,7 +245,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             self._ready_or_draining()  # a router asks a draining server too: `accepting` tells it
         except Exception as e:
             await _abort(context, e)
-        return self.load.snapshot(accepting=not self.draining)
+        out = self.load.snapshot(accepting=not self.draining)
+        out.adapters.extend(convert.lora_adapters(self.gen))
+        return out
 
     def _ready_or_draining(self) -> Generator:
         if self.gen is None:
@@ -229,30 +270,40 @@ async def _merged(gen: Generator, requests: list[Request]) -> AsyncIterator[Even
             async for ev in events:
                 yield ev
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    async with aclosing(_interleaved([gen.events(_given(r)) for r in requests])) as items:
+        async for _, item in items:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+
+async def _interleaved(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """The items of several async iterators as they come, as (source's position, item); a source
+    that raises gives (position, its exception) and ends, the others go on. Leaving early cancels
+    every source. The queue is small: a slow reader holds the sources back, so each request's own
+    buffer (STREAM_BUFFER) fills and ends it, rather than this one growing without bound."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=max(len(sources), 1))
     done = object()
 
-    async def pump(r: Request) -> None:
+    async def pump(i: int, source: AsyncIterator) -> None:
         try:
-            async with aclosing(gen.events(_given(r))) as events:
-                async for ev in events:
-                    await queue.put(ev)
-        except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
-            await queue.put(e)
+            async with aclosing(source) as items:
+                async for item in items:
+                    await queue.put((i, item))
+        except Exception as e:  # noqa: BLE001 - handed to the reader
+            await queue.put((i, e))
         finally:
-            await queue.put(done)
+            await queue.put((i, done))
 
-    pumps = [asyncio.create_task(pump(r)) for r in requests]
+    pumps = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
     try:
         left = len(pumps)
         while left:
-            item = await queue.get()
+            i, item = await queue.get()
             if item is done:
                 left -= 1
-            elif isinstance(item, Exception):
-                raise item
             else:
-                yield item
+                yield i, item
     finally:
         for p in pumps:
             p.cancel()

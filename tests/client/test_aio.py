@@ -77,6 +77,32 @@ def test_batch_session_and_info(tiny_kvgen):
     assert aborted.unknown == ("none",)
 
 
+def test_batch_stream_matches_the_blocking_client(tiny_kvgen):
+    prompts = ["one", request("bad", max_new_tokens=0), [("user", "two")]]
+
+    async def body(c):
+        items = [x async for x in c.batch_stream(prompts, **GREEDY)]
+        whole = await c.batch_stream(prompts, **GREEDY).collect()
+        stream = c.batch_stream(["long", "longer"], max_new_tokens=1800, ignore_eos=True)
+        first = await stream.__anext__()
+        stream.cancel()
+        try:
+            await stream.__anext__()
+        except Cancelled:
+            return items, whole, first
+        raise AssertionError("a cancelled batch stream went on")
+
+    items, whole, first = run(tiny_kvgen, body)
+    with Client(tiny_kvgen.target, api_key=KEY) as sync:
+        want = [sync.generate("one", **GREEDY), sync.chat([("user", "two")], **GREEDY)]
+    assert [type(x) for x in whole] == [Completion, InvalidArgument, Completion]
+    assert [x.token_ids for x in whole[::2]] == [x.token_ids for x in want] and len(want[0].token_ids) == 6
+    assert whole[1].field_violations[0].field == "sampling.max_new_tokens" and whole[0].replica == REPLICA
+    for i in (0, 2):
+        assert tuple(t for x in items if x.index == i for t in x.delta.token_ids) == whole[i].token_ids
+    assert first.delta.token_ids
+
+
 def test_errors_deadlines_and_cancel(tiny_kvgen):
     async def body(c):
         got = {}

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from kvgen.client import (
+    BatchStreamDelta,
     Cancelled,
     Client,
     Completion,
@@ -86,6 +87,35 @@ def test_batch_gives_one_result_or_error_per_request(client):
     assert isinstance(out[0], Completion) and isinstance(out[1], InvalidArgument)
     assert out[1].code() == grpc.StatusCode.INVALID_ARGUMENT and out[1].field_violations[0].field == \
         "sampling.temperature"
+
+
+def test_batch_stream_tags_each_delta_by_entry_and_fails_one_alone(client, tiny_kvgen):
+    prompts = ["one", request("bad", top_p=2.0), [("user", "two")]]
+    with client.batch_stream(prompts, **GREEDY) as stream:
+        items = list(stream)
+        assert stream.replica == REPLICA
+    assert all(isinstance(x, BatchStreamDelta) for x in items) and {x.index for x in items} == {0, 1, 2}
+    [bad] = [x for x in items if x.index == 1]
+    assert bad.delta is None and isinstance(bad.error, InvalidArgument)
+    assert bad.error.field_violations[0].field == "sampling.top_p"
+    for i, alone in ((0, client.generate("one", **GREEDY)), (2, client.chat([("user", "two")], **GREEDY))):
+        deltas = [x.delta for x in items if x.index == i]
+        assert all(isinstance(d, StreamDelta) for d in deltas) and len(deltas) > 1
+        assert tuple(t for d in deltas for t in d.token_ids) == alone.token_ids
+        assert deltas[-1].finish_reason is FinishReason.LENGTH and deltas[-1].usage.completion_tokens == 6
+    whole = client.batch_stream(prompts, **GREEDY).collect()
+    assert [type(x) for x in whole] == [Completion, InvalidArgument, Completion]
+    assert whole[0].token_ids == client.batch(prompts, **GREEDY)[0].token_ids and whole[0].replica == REPLICA
+    # cancelling the call ends every entry: the server's engine is left with nothing
+    stream = client.batch_stream(["long", "longer"], max_new_tokens=1800, ignore_eos=True)
+    assert next(stream).delta.token_ids
+    stream.cancel()
+    with pytest.raises(Cancelled):
+        list(stream)
+    deadline = time.monotonic() + 10
+    while not (tiny_kvgen.gen.engine.idle and tiny_kvgen.gen.scheduler.kv.used == 0):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
 
 
 def test_a_session_keeps_its_conversation(client, tiny_kvgen):

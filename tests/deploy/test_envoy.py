@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 import yaml
+from google.protobuf import json_format
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.mesh import build_descriptor_set, envoy_binary
@@ -183,6 +184,40 @@ def test_grpc_web_and_json_return_the_same_tokens_as_grpc(mesh):
     err = json.loads(raw)
     assert status == 400 and err["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert err["details"][0]["field_violations"][0]["field"] == "prompt"  # the BadRequest, as JSON
+
+
+def test_batch_stream_over_grpc_grpc_web_and_json(mesh):
+    """BatchGenerateStream through the mesh: every transport gives each entry its tokens, tagged by
+    the entry, and the bad entry its google.rpc.Status (as JSON: the BadRequest, readable)."""
+    entries = [request("the quick brown fox", max_new_tokens=8, ignore_eos=True, temperature=0.0),
+               request("hi", max_new_tokens=0),
+               request("over the lazy dog", max_new_tokens=6, ignore_eos=True, temperature=0.0)]
+    batch = pb.BatchGenerateRequest(requests=entries)
+    with Client(mesh.target) as c:
+        want = {i: list(c.stub.Generate(entries[i], timeout=HANG_S).token_ids) for i in (0, 2)}
+        call = c.stub.BatchGenerateStream(batch, timeout=HANG_S)
+        msgs = list(call)
+        assert replica(call) in ("r0", "r1")
+    assert len(want[0]) == 8 and len(want[2]) == 6
+
+    def check(msgs) -> None:
+        assert {i: [t for m in msgs if m.index == i for t in m.response.token_ids] for i in (0, 2)} == want
+        [bad] = [m for m in msgs if m.index == 1]
+        assert bad.WhichOneof("result") == "error" and bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+    check(msgs)
+    replies, trailers = _grpc_web(mesh, "BatchGenerateStream", batch, pb.BatchGenerateStreamResponse)
+    assert trailers["grpc-status"] == "0"
+    check(replies)
+
+    body = json.dumps({"requests": [json_format.MessageToDict(e, preserving_proto_field_name=True)
+                                    for e in entries]}).encode()
+    status, headers, raw = _http(mesh, "/kvgen.v1.Generator/BatchGenerateStream", body, "application/json")
+    assert status == 200 and headers["content-type"].startswith("application/json")
+    out = json.loads(raw)
+    assert {i: [t for m in out if m["index"] == i for t in m["response"]["token_ids"]] for i in (0, 2)} == want
+    [bad] = [m for m in out if m["index"] == 1]
+    assert bad["error"]["details"][0]["field_violations"][0]["field"] == "sampling.max_new_tokens"
 
 
 def test_abort_through_the_mesh_from_a_second_channel(mesh):

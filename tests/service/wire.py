@@ -9,7 +9,8 @@ from google.rpc import error_details_pb2, status_pb2
 GENERATOR = "/kvgen.v1.Generator/"
 # every kvgen.v1 method, and whether it streams its responses
 METHODS = {GENERATOR + "Generate": False, GENERATOR + "GenerateStream": True, GENERATOR + "BatchGenerate": False,
-           GENERATOR + "GetModelInfo": False, GENERATOR + "CreateSession": False, GENERATOR + "CloseSession": False}
+           GENERATOR + "BatchGenerateStream": True, GENERATOR + "GetModelInfo": False,
+           GENERATOR + "CreateSession": False, GENERATOR + "CloseSession": False}
 
 
 def call_raw(channel: grpc.Channel, method: str, body: bytes, streaming: bool = False, timeout: float = 30,

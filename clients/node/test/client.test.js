@@ -79,6 +79,50 @@ describe('KvgenClient', { skip: TARGET ? false : 'KVGEN_TARGET is not set' }, ()
     assert.deepEqual(out.results[0].response.tokenIds, solo.tokenIds);
   });
 
+  test('batch stream: each entry streams as it would alone, a bad one fails alone', async () => {
+    const entries = [
+      { input: 'The capital of France is', sampling: { ...GREEDY, max_new_tokens: 6 } },
+      { input: [1, 2, 99999999], sampling: { max_new_tokens: 4 } },
+      { input: CHAT, sampling: { ...GREEDY, max_new_tokens: 6 } },
+    ];
+    const msgs = [];
+    for await (const m of client.batchStream(entries)) msgs.push(m);
+    assert.deepEqual([...new Set(msgs.map((m) => m.index))].sort(), [0, 1, 2]);
+    const bad = msgs.filter((m) => m.index === 1);
+    assert.equal(bad.length, 1);
+    assert.equal(bad[0].result, 'error');
+    assert.equal(bad[0].error.code, status.INVALID_ARGUMENT);
+    assert.deepEqual(badRequestFields(bad[0].error).map((v) => v.field), ['prompt_token_ids']);
+    for (const i of [0, 2]) {
+      const mine = msgs.filter((m) => m.index === i).map((m) => m.response);
+      const alone = await client.stream(entries[i].input, entries[i].sampling).collect();
+      assert.deepEqual(mine.flatMap((m) => m.tokenIds), alone.tokenIds);
+      assert.equal(mine[mine.length - 1].finishReason, alone.last.finishReason);
+    }
+    const collected = await client.batchStream(entries).collect();
+    assert.equal(collected[1].error.code, status.INVALID_ARGUMENT);
+    assert.equal(collected[0].tokenIds.length, 6);
+    assert.equal(collected[2].last.usage.completionTokens, 6);
+  });
+
+  test('cancelling a batch stream ends every entry', async () => {
+    const long = { max_new_tokens: 2000, ignore_eos: true };
+    const s = client.batchStream([{ input: 'Once upon a time', sampling: long }, { input: 'Far away', sampling: long }]);
+    const seen = new Set();
+    for await (const m of s) {
+      seen.add(m.index);
+      if (seen.size === 2) s.cancel();
+    }
+    assert.ok(s.cancelled);
+    let load = await client.load();
+    for (let i = 0; i < 100 && (load.runningRequests > 0 || load.kvBlocksUsed > 0); i++) {
+      await new Promise((r) => setTimeout(r, 50));
+      load = await client.load();
+    }
+    assert.equal(load.runningRequests, 0);
+    assert.equal(load.kvBlocksUsed, 0);
+  });
+
   test('INVALID_ARGUMENT names the field', async () => {
     await assert.rejects(client.generate('hi', { top_p: 2 }), (err) => {
       assert.equal(err.code, status.INVALID_ARGUMENT);

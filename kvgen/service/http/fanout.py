@@ -48,11 +48,12 @@ async def submit(gen: Generator, call: Call, request_id: str, settings: Settings
                 params.max_new_tokens = max(1, min(params.max_new_tokens, gen.cfg.context_length - len(ids)))
             await gen.compile(params)  # a new schema compiles off the event loop
             if call.n > 1:
-                await _share_prompt(gen, ids, params, req.cache_salt)
+                await _share_prompt(gen, ids, params, req.cache_salt, req.adapter)
             for i in range(call.n):
                 seed = None if params.seed is None else (params.seed + i) % 2**64
                 index = p * call.n + i
-                r = gen.submit(ids, replace(params, seed=seed), f"{request_id}-{index}", cache_salt=req.cache_salt)
+                r = gen.submit(ids, replace(params, seed=seed), f"{request_id}-{index}", cache_salt=req.cache_salt,
+                               adapter=req.adapter)
                 choices.append(Choice(index, p, ids, r))
     except BaseException:
         for c in choices:
@@ -69,12 +70,12 @@ async def submit_turn(session: Session, call: Call, request_id: str, settings: S
     return [Choice(0, 0, list(req.prompt_token_ids), r)]
 
 
-async def _share_prompt(gen: Generator, ids: list[int], params: SamplingParams, salt: str) -> None:
+async def _share_prompt(gen: Generator, ids: list[int], params: SamplingParams, salt: str, adapter: str = "") -> None:
     """Prefill the prompt once, so its full blocks are in the prefix cache for the n choices."""
     kv = gen.scheduler.kv
     if kv.prefix is None or params.prompt_logprobs is not None or (len(ids) - 1) < gen.pool.block_size:
         return  # nothing to share: no cache, the request bypasses it, or no full block to reuse
-    warm = gen.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=1), cache_salt=salt)
+    warm = gen.submit(ids, SamplingParams(temperature=0.0, max_new_tokens=1), cache_salt=salt, adapter=adapter)
     try:
         await warm.result()
         await warm.released()  # indexed once released

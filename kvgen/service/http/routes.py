@@ -54,9 +54,11 @@ class OpenAIRoutes:
 
     async def models(self, request: web.Request) -> web.Response:
         gen = self.ready()
-        return web.json_response({"object": "list", "data": [{
-            "id": gen.cfg.name, "object": "model", "created": 0, "owned_by": "kvgen",
-            "max_model_len": gen.cfg.context_length}]})
+        base = {"id": gen.cfg.name, "object": "model", "created": 0, "owned_by": "kvgen",
+                "max_model_len": gen.cfg.context_length}
+        # vLLM's convention: each LoRA adapter is a model of its own, its root the folder, its parent the base
+        loras = [{**base, "id": a.name, "root": a.path, "parent": gen.cfg.name} for a in gen.adapters.adapters.values()]
+        return web.json_response({"object": "list", "data": [base, *loras]})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, read_chat)
@@ -67,10 +69,15 @@ class OpenAIRoutes:
     async def _complete(self, request: web.Request, read) -> web.StreamResponse:
         gen = self.ready()
         call = read(await read_json(request), self.settings)
-        if call.model not in (gen.cfg.name, MODEL_ALIAS):
+        adapter = "" if call.model in (gen.cfg.name, MODEL_ALIAS) else call.model  # vLLM's: a LoRA adapter's name
+        if adapter and gen.adapters.get(adapter) is None:
             raise HttpError(404, f"model {call.model!r} is not served here; GET /v1/models lists {gen.cfg.name!r} "
-                                 f"(or say {MODEL_ALIAS!r})", code="model_not_found")
+                                 f"(or say {MODEL_ALIAS!r}) and the LoRA adapters loaded", code="model_not_found")
+        for req in call.requests:
+            req.adapter = adapter
         session = self.sessions.turn_of(request, gen)
+        if session is not None and adapter and adapter != getattr(session.adapter, "name", ""):
+            raise InvalidRequest([("model", "a session keeps the adapter it was opened with")])
         if session is not None and (call.n != 1 or len(call.requests) != 1):
             raise InvalidRequest([("n" if call.n != 1 else "prompt", "a session turn is one prompt with one choice")])
         request_id = uuid.uuid4().hex
@@ -84,7 +91,7 @@ class OpenAIRoutes:
                 choices = await fanout.submit(gen, call, request_id, self.settings)
         except InvalidRequest as e:  # a constraint the grammar engine refused: named as the call named it
             raise call.rename(e) from None
-        out = Renderer(call, request_id, gen.cfg.name, gen.tokenizer, choices)
+        out = Renderer(call, request_id, adapter or gen.cfg.name, gen.tokenizer, choices)
         if call.stream:
             return await self._stream(request, call, choices, out, span)
         results = await fanout.results(choices)

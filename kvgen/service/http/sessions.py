@@ -58,7 +58,10 @@ class SessionRoutes:
         if key and per_key and sum(k == key for k in self.owners.values()) >= per_key:
             raise Overloaded(f"{per_key} sessions already open with this API key (MAX_SESSIONS_PER_KEY)",
                              retry_after=5.0)
-        s = gen.new_session(wanted)
+        model = body.get("model") or ""  # a LoRA adapter's name, as a completion's `model` names one
+        if not isinstance(model, str):
+            raise InvalidRequest([("model", "must be a string")])
+        s = gen.new_session(wanted, adapter="" if model in (gen.cfg.name, "kvgen") else model)  # routes.MODEL_ALIAS
         self.owners[s.session_id] = key
         return web.json_response({"object": "session", "session_id": s.session_id,
                                   "ttl_seconds": int(gen.options.session_ttl_s)})

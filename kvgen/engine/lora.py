@@ -1,0 +1,311 @@
+"""LoRA adapters over one base model, chosen per request and batched together.
+
+An adapter is a PEFT folder (adapter_config.json + adapter_model.safetensors): for some of a layer's
+q/k/v/o/gate/up/down projections, two matrices A [r, in] and B [out, r], and the output becomes
+W x + scale * B A x, scale = lora_alpha / r (lora_alpha / sqrt(r) with use_rslora).
+
+The engine keeps the base weights as they are (a GGUF's blocks stay quantized, nothing is merged):
+a step's rows run the base linears once, all together, and then each adapter's rows get their
+low-rank delta, y[rows] += (x[rows] A^T) B^T, one pair of small products per adapter and linear
+(Punica's / S-LoRA's grouped products, in torch). The model fuses q|k|v and gate|up into one linear
+each, so an adapter's A matrices of a fused linear are stacked along the rank (one product for all
+of them) and its B matrices are laid out block-diagonally on the fused output rows, with q and k
+rows in the model's interleaved RoPE order (model.interleave), the scale folded in.
+
+Model.forward takes a `LoraBatch` (which rows use which adapter) and asks it for each layer's
+linears (LoraBatch.layer); every other part of the model does not know adapters exist.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvgen.engine.model import Model, interleave
+
+# PEFT's module names -> (the model's fused linear, the input it reads)
+SPLIT_TARGETS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
+                 "gate_proj": "gate_up", "up_proj": "gate_up", "down_proj": "down"}
+FUSED_TARGETS = {"qkv_proj": "qkv", "o_proj": "o", "gate_up_proj": "gate_up", "down_proj": "down"}  # Phi-3
+LINEARS = ("qkv", "o", "gate_up", "down")
+_serials = itertools.count(1)
+_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be loaded: the message names it and says what is wrong."""
+
+    def __init__(self, name: str, path: str, what: str):
+        super().__init__(f"LoRA adapter {name!r} ({path}): {what}")
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Where one PEFT module's output sits in the model's fused linear."""
+
+    linear: str
+    offset: int
+    rows: int
+    in_features: int
+    order: object  # fn(B rows) -> the model's row order (q / k interleave), or None
+
+
+def model_parts(model: Model) -> dict[str, _Part]:
+    """For each PEFT module name the model has, its place in the fused linears (Layer's layout)."""
+    cfg = model.cfg
+    nq, nkv, d, hidden, ffn = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size
+    q, kv = nq * d, nkv * d
+    parts = {"o_proj": _Part("o", 0, hidden, q, None), "down_proj": _Part("down", 0, hidden, ffn, None)}
+    if cfg.architecture == "phi3":  # one q|k|v matrix and one gate|up matrix in the file, as in the model
+
+        def qkv_rows(t):
+            tq, tk, tv = t.split([q, kv, kv])
+            return torch.cat((interleave(tq, nq), interleave(tk, nkv), tv))
+
+        parts["qkv_proj"] = _Part("qkv", 0, q + 2 * kv, hidden, qkv_rows)
+        parts["gate_up_proj"] = _Part("gate_up", 0, 2 * ffn, hidden, None)
+    else:
+        parts["q_proj"] = _Part("qkv", 0, q, hidden, lambda t: interleave(t, nq))
+        parts["k_proj"] = _Part("qkv", q, kv, hidden, lambda t: interleave(t, nkv))
+        parts["v_proj"] = _Part("qkv", q + kv, kv, hidden, None)
+        parts["gate_proj"] = _Part("gate_up", 0, ffn, hidden, None)
+        parts["up_proj"] = _Part("gate_up", ffn, ffn, hidden, None)
+    return parts
+
+
+def _out_features(model: Model) -> dict[str, int]:
+    layer = model.layers[0]
+    return {name: getattr(layer, name).out_features for name in LINEARS}
+
+
+@dataclass(slots=True, eq=False)  # by identity: a step groups its rows by adapter
+class Adapter:
+    """A loaded adapter: per layer, per fused linear, (A [R, in], B [out, R] with the scale folded in),
+    R the sum of its modules' ranks there."""
+
+    name: str
+    path: str
+    rank: int  # the highest rank of its modules
+    targets: list[str]  # PEFT module names it adapts, sorted
+    layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(repr=False)
+    requests: int = 0  # requests submitted with it (GetLoad, metrics)
+    serial: int = field(default_factory=lambda: next(_serials))  # this load (part of the prefix cache's key)
+
+
+def load_adapter(name: str, path: str, model: Model, max_rank: int) -> Adapter:
+    """Read a PEFT LoRA folder and check it against the model; AdapterError names what is wrong."""
+    folder = Path(path)
+
+    def bad(what: str) -> AdapterError:
+        return AdapterError(name, path, what)
+
+    if not folder.is_dir():
+        raise bad("not a folder (a PEFT adapter is a folder with adapter_config.json and "
+                  "adapter_model.safetensors)")
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+    except FileNotFoundError:
+        raise bad("no adapter_config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"adapter_config.json is not JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise bad("adapter_config.json is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        raise bad(f"peft_type {config.get('peft_type')!r}; only LORA adapters run")
+    for key, what in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out (GPT-2's Conv1D layout)")):
+        if config.get(key):
+            raise bad(f"{what} is not supported")
+    if config.get("bias", "none") != "none":
+        raise bad(f"bias={config['bias']!r}: adapters that train biases are not supported")
+    if config.get("modules_to_save"):
+        raise bad(f"modules_to_save {config['modules_to_save']}: adapters that replace whole modules are not "
+                  "supported")
+    parts = model_parts(model)
+    targets = config.get("target_modules")
+    if isinstance(targets, list):  # a string is a regex: the tensors below say what it matched
+        lacking = sorted(set(targets) - set(parts))
+        if lacking:
+            raise bad(f"target modules {lacking}, which this {model.cfg.architecture} model lacks "
+                      f"(it has {sorted(parts)})")
+    st = folder / "adapter_model.safetensors"
+    if not st.exists():
+        raise bad("no adapter_model.safetensors" + (" (adapter_model.bin, pickled weights, is not read)"
+                                                    if (folder / "adapter_model.bin").exists() else ""))
+    try:
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(st))
+    except Exception as e:  # safetensors raises its own error types for a torn or foreign file
+        raise bad(f"adapter_model.safetensors does not read: {e}") from None
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.match(key)
+        if m is None:
+            raise bad(f"tensor {key!r} is not a layer's lora_A / lora_B weight (embedding or lm_head adapters, "
+                      "DoRA magnitudes and trained biases are not supported)")
+        layer, module, ab = int(m[1]), m[2], m[3]
+        if module not in parts:
+            raise bad(f"tensor {key!r} adapts {module}, which this {model.cfg.architecture} model lacks")
+        if layer >= len(model.layers):
+            raise bad(f"tensor {key!r} is for layer {layer}; the model has {len(model.layers)} layers")
+        pairs.setdefault((layer, module), {})[ab] = t
+    if not pairs:
+        raise bad("adapter_model.safetensors holds no LoRA weights")
+    rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
+    default_alpha = config.get("lora_alpha", 8)
+    rslora = bool(config.get("use_rslora"))
+    grouped: list[dict[str, list]] = [{} for _ in model.layers]
+    top = 0
+    for (layer, module), ab in sorted(pairs.items()):
+        where = f"layer {layer} {module}"
+        if set(ab) != {"A", "B"}:
+            raise bad(f"{where} has lora_{''.join(ab)} without its lora_{'B' if 'A' in ab else 'A'}")
+        a, b = ab["A"], ab["B"]
+        part = parts[module]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise bad(f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not [r, in] and [out, r]")
+        r = a.shape[0]
+        if a.shape[1] != part.in_features or b.shape[0] != part.rows:
+            raise bad(f"{where}: lora_A {list(a.shape)}, lora_B {list(b.shape)} do not fit the base model's "
+                      f"{module} ({part.rows} x {part.in_features}): an adapter of another model")
+        if r > max_rank:
+            raise bad(f"{where} has rank {r}, over MAX_LORA_RANK={max_rank}")
+        expected = _pattern(rank_pattern, layer, module, config.get("r", r))
+        if expected != r:
+            raise bad(f"{where}: rank {r} in the tensors, {expected} in adapter_config.json")
+        alpha = _pattern(alpha_pattern, layer, module, default_alpha)
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        top = max(top, r)
+        grouped[layer].setdefault(part.linear, []).append((part, a.float(), b.float() * scale))
+    out = _out_features(model)
+    act = model.act_dtype
+    layers = []
+    for by_linear in grouped:
+        fused = {}
+        for linear, items in by_linear.items():
+            big_a = torch.cat([a for _, a, _ in items])  # [R, in]
+            big_b = torch.zeros(out[linear], big_a.shape[0])
+            at = 0
+            for part, a, b in items:
+                rows = b if part.order is None else part.order(b)
+                big_b[part.offset:part.offset + part.rows, at:at + a.shape[0]] = rows
+                at += a.shape[0]
+            fused[linear] = (big_a.to(act).contiguous(), big_b.to(act).contiguous())
+        layers.append(fused)
+    return Adapter(name, path, top, sorted({module for _, module in pairs}), layers)
+
+
+def _pattern(patterns: dict, layer: int, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key that matches the end of the
+    module's name (PEFT's own rule: re.match of (.*\\.)?key$), else the default."""
+    block = "mlp" if module in ("gate_proj", "up_proj", "down_proj", "gate_up_proj") else "self_attn"
+    name = f"model.layers.{layer}.{block}.{module}"
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return default
+
+
+class AdapterStore:
+    """The adapters the server holds, by name (loaded at start: LORA_ADAPTERS)."""
+
+    def __init__(self, model: Model, max_loras: int = 8, max_rank: int = 64):
+        self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
+        self.adapters: dict[str, Adapter] = {}
+
+    @classmethod
+    def from_setting(cls, spec: str, model: Model, max_loras: int = 8, max_rank: int = 64) -> AdapterStore:
+        """LORA_ADAPTERS: name=folder,name=folder,..."""
+        store = cls(model, max_loras, max_rank)
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            name, eq, path = item.partition("=")
+            if not eq or not name.strip() or not path.strip():
+                raise ValueError(f"LORA_ADAPTERS entry {item!r}: expected name=folder")
+            store.load(name.strip(), path.strip())
+        return store
+
+    def load(self, name: str, path: str) -> Adapter:
+        if name in self.adapters:
+            raise AdapterError(name, path, "an adapter of this name is loaded already")
+        if len(self.adapters) >= self.max_loras:
+            raise AdapterError(name, path, f"{len(self.adapters)} adapters are loaded already (MAX_LORAS="
+                                           f"{self.max_loras})")
+        adapter = self.adapters[name] = load_adapter(name, path, self.model, self.max_rank)
+        return adapter
+
+    def get(self, name: str) -> Adapter | None:
+        return self.adapters.get(name)
+
+    def names(self) -> list[str]:
+        return list(self.adapters)
+
+
+class LoraBatch:
+    """Which of a step's token rows run with which adapter: groups of (adapter, row ranges)."""
+
+    def __init__(self, groups: dict[Adapter, list[tuple[int, int]]], device: torch.device):
+        self.groups = []
+        for adapter, ranges in groups.items():
+            if len(ranges) == 1:
+                rows = slice(*ranges[0])
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
+            self.groups.append((adapter, rows))
+
+    @classmethod
+    def of(cls, adapters: list[tuple[Adapter | None, int]], device: torch.device) -> LoraBatch | None:
+        """From each sequence's adapter and its number of rows, in the step's row order; None when
+        no row has an adapter (the step runs as it would without adapters)."""
+        groups: dict[Adapter, list[tuple[int, int]]] = {}
+        at = 0
+        for adapter, n in adapters:
+            if adapter is not None:
+                ranges = groups.setdefault(adapter, [])
+                if ranges and ranges[-1][1] == at:  # neighbours with the same adapter: one range
+                    ranges[-1] = (ranges[-1][0], at + n)
+                else:
+                    ranges.append((at, at + n))
+            at += n
+        return cls(groups, device) if groups else None
+
+    def layer(self, i: int, layer) -> _AdaptedLayer:
+        return _AdaptedLayer(self, i, layer)
+
+    def add(self, i: int, linear: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y (the base linear's output for x) plus each group's delta on its rows, in place."""
+        for adapter, rows in self.groups:
+            ab = adapter.layers[i].get(linear)
+            if ab is None:
+                continue
+            a, b = ab
+            delta = torch.mm(torch.mm(x[rows], a.t()), b.t())
+            if isinstance(rows, slice):
+                y[rows] += delta
+            else:
+                y.index_add_(0, rows, delta)
+        return y
+
+
+class _AdaptedLayer:
+    """A layer's four linears as Model.forward calls them, each with the step's deltas added."""
+
+    def __init__(self, batch: LoraBatch, i: int, layer):
+        self._batch, self._i, self._layer = batch, i, layer
+
+    def qkv(self, x):
+        return self._batch.add(self._i, "qkv", x, self._layer.qkv(x))
+
+    def o(self, x):
+        return self._batch.add(self._i, "o", x, self._layer.o(x))
+
+    def gate_up(self, x):
+        return self._batch.add(self._i, "gate_up", x, self._layer.gate_up(x))
+
+    def down(self, x):
+        return self._batch.add(self._i, "down", x, self._layer.down(x))

@@ -1,0 +1,279 @@
+"""LoRA adapters (kvgen/engine/lora.py) against transformers + PEFT on the same base model.
+
+A tiny random Llama (tests/tiny.py) saved as an HF folder and as a Q8_0 GGUF (whose blocks the engine
+keeps: the fused decode step runs its base rows); random PEFT adapters with non-zero B over different
+target-module subsets and ranks, written by PEFT's own save_pretrained. The oracle is PEFT's model on
+the same weights (for the GGUF: transformers' own GGUF loader, which dequantizes the file), unmerged
+and merged."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvgen.engine.generator import Generator, load_model
+from kvgen.engine.lora import AdapterError, AdapterStore, load_adapter
+from kvgen.engine.options import EngineOptions
+from kvgen.engine.sampling import SamplingParams
+from kvgen.errors import InvalidRequest, NotFound
+from tests.tiny import tiny_bpe_tokenizer, tiny_config, tiny_weights, write_gguf, write_hf_folder
+
+STEPS = 16
+PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n"]
+# name -> (target modules, rank, alpha, rslora)
+ADAPTERS = {
+    "attn": (["q_proj", "v_proj"], 4, 8, False),
+    "mlp": (["gate_proj", "up_proj", "down_proj"], 8, 16, True),
+    "every": (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 2, 4, False),
+    "ko": (["k_proj", "o_proj"], 16, 8, False),
+}
+
+
+def _hf_logging_quiet():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def write_adapter(base_folder, out, targets, r, alpha, rslora, seed):
+    """A PEFT LoRA adapter of the model in base_folder, A and B random (B non-zero: it changes the output)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_folder), dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                                                  lora_dropout=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """(HF folder, Q8_0 GGUF path, {adapter name: folder}) of one tiny random Llama."""
+    import gguf
+
+    _hf_logging_quiet()
+    root = tmp_path_factory.mktemp("lora")
+    # an lm_head of its own: tied to the embeddings, this tiny model mostly repeats its last token,
+    # whatever an adapter does
+    cfg = replace(tiny_config(vocab=300, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, context=512),
+                  tie_word_embeddings=False)
+    weights = tiny_weights(cfg, seed=5)
+    tok = tiny_bpe_tokenizer(300)
+    write_hf_folder(root / "hf", cfg, weights, tok)
+    write_gguf(root / "tiny-q8.gguf", cfg, weights, tok, qtype=gguf.GGMLQuantizationType.Q8_0)
+    adapters = {name: write_adapter(root / "hf", root / name, *spec, seed=i)
+                for i, (name, spec) in enumerate(ADAPTERS.items())}
+    return root / "hf", root / "tiny-q8.gguf", adapters
+
+
+def _hf_base(base, kind: str):
+    from transformers import AutoModelForCausalLM
+
+    folder, gguf_path, _ = base
+    if kind == "hf":
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name,
+                                                dtype=torch.float32).eval()
+
+
+def _greedy(hf, ids: list[int]) -> list[int]:
+    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      max_new_tokens=STEPS, do_sample=False, eos_token_id=None, pad_token_id=0,
+                      top_k=None, top_p=None, temperature=None)
+    return out[0, len(ids):].tolist()
+
+
+def _generator(base, kind: str, **opts) -> Generator:
+    folder, gguf_path, adapters = base
+    spec = ",".join(f"{name}={path}" for name, path in adapters.items())
+    path = str(folder if kind == "hf" else gguf_path)
+    return Generator(*load_model(path, "fp32" if kind == "hf" else "auto"),
+                     EngineOptions(lora_adapters=spec, **opts), model_path=path)
+
+
+def _run(gen: Generator, jobs: list[tuple[list[int], str]], **params) -> list:
+    """Each (prompt ids, adapter) as one request, all submitted before any is read (one batch)."""
+    sp = SamplingParams(**{"temperature": 0, "max_new_tokens": STEPS, "ignore_eos": True, **params})
+
+    async def go():
+        reqs = [gen.submit(ids, sp, adapter=name) for ids, name in jobs]
+        out = [await r.result() for r in reqs]
+        for r in reqs:
+            await r.released()
+        return out
+
+    return gen.bridge.run(go())
+
+
+@pytest.fixture(scope="module", params=["hf", "gguf"])
+def engine(request, base):
+    gen = _generator(base, request.param)
+    yield request.param, gen
+    gen.close()
+
+
+def test_greedy_with_each_adapter_equals_peft_unmerged_and_merged(base, engine):
+    from peft import PeftModel
+
+    kind, gen = engine
+    if kind == "gguf":
+        assert gen.model.weight_dtype == "gguf" and gen.engine.runner.fused is not None  # blocks stay blocks
+    prompts = [gen.tokenize(p) for p in PROMPTS]
+    plain = [r.token_ids for r in _run(gen, [(ids, "") for ids in prompts])]
+    assert plain == [_greedy(_hf_base(base, kind), ids) for ids in prompts]
+    for name, folder in base[2].items():
+        ours = [r.token_ids for r in _run(gen, [(ids, name) for ids in prompts])]
+        unmerged = PeftModel.from_pretrained(_hf_base(base, kind), str(folder)).eval()
+        assert ours == [_greedy(unmerged, ids) for ids in prompts], f"{kind} {name}: against PEFT, unmerged"
+        merged = unmerged.merge_and_unload()
+        assert ours == [_greedy(merged, ids) for ids in prompts], f"{kind} {name}: against PEFT, merged"
+        assert ours != plain, f"{name} changes nothing: the test would not see a missing delta"
+
+
+def test_a_batch_mixing_four_adapters_and_the_base_gives_each_what_it_gets_alone(engine):
+    kind, gen = engine
+    prompts = [gen.tokenize(p) for p in PROMPTS]
+    jobs = [(ids, name) for ids in prompts for name in ["", *ADAPTERS]]
+    alone = [_run(gen, [job])[0].token_ids for job in jobs]
+    groups = []
+    gen.engine.on_step = lambda batch, _: groups.append({seq.adapter for seq, _ in batch})
+    try:
+        together = [r.token_ids for r in _run(gen, jobs)]
+    finally:
+        gen.engine.on_step = None
+    assert max(len(g) for g in groups) == 5  # the four adapters and the base model shared a step
+    assert together == alone
+    assert len({tuple(t) for t in together[:5]}) == 5  # each adapter's output is its own
+
+
+def test_the_prefix_cache_is_shared_within_an_adapter_and_never_across(engine):
+    kind, gen = engine
+    ids = gen.tokenize("numbers 123 4567 89, and the year 2024. " * 4)  # a prompt no other test sends
+    assert len(ids) > 2 * gen.pool.block_size
+
+    def cached(name):
+        return _run(gen, [(ids, name)], max_new_tokens=2)[0].usage.cached_tokens
+
+    assert cached("attn") == 0
+    assert cached("attn") >= gen.pool.block_size  # a hit within the adapter
+    assert cached("mlp") == 0  # none across adapters
+    assert cached("") == 0  # nor with the base model
+    assert cached("mlp") >= gen.pool.block_size
+
+
+def test_a_session_keeps_its_adapter(engine):
+    kind, gen = engine
+    ids = gen.tokenize(PROMPTS[0])
+    expected = _run(gen, [(ids, "every")])[0].token_ids
+    session = gen.new_session(adapter="every")
+    try:
+        sp = SamplingParams(temperature=0, max_new_tokens=STEPS, ignore_eos=True)
+        assert session.generate(ids, sp).token_ids == expected
+        with pytest.raises(InvalidRequest, match="keeps the adapter"):
+            gen.bridge.run(_submit_in_session(gen, session, ids, "attn"))
+    finally:
+        gen.close_session(session.session_id)
+
+
+async def _submit_in_session(gen, session, ids, adapter):
+    return gen.submit(ids, SamplingParams(max_new_tokens=1), session=session, adapter=adapter)
+
+
+def test_speculative_drafts_verify_under_the_requests_adapter(engine):
+    kind, gen = engine
+    ids = gen.tokenize(" ".join(PROMPTS * 2))  # under "ko" its continuation soon loops: lookups find drafts
+    plain = _run(gen, [(ids, "ko")], speculative=False, max_new_tokens=32)[0].token_ids
+    before = gen.engine.drafted_tokens
+    drafted = _run(gen, [(ids, "ko")], speculative=True, max_new_tokens=32)[0].token_ids
+    assert gen.engine.drafted_tokens > before  # prompt lookup drafted, the adapter's model verified
+    assert drafted == plain
+
+
+def test_an_unknown_adapter_is_not_found_naming_it(engine):
+    kind, gen = engine
+    with pytest.raises(NotFound, match="'nope'.*loaded: attn, mlp, every, ko"):
+        gen.bridge.run(gen.request("hi", SamplingParams(max_new_tokens=1), adapter="nope"))
+    with pytest.raises(NotFound, match="'nope'"):
+        gen.new_session(adapter="nope")
+
+
+# ---- bad adapters: each a clear error naming the adapter and what is wrong ----
+
+
+@pytest.fixture(scope="module")
+def model(base):
+    return load_model(str(base[0]), "fp32")[0]
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_folder_without_config_or_weights_is_refused(base, model, tmp_path):
+    good = base[2]["attn"]
+    with pytest.raises(AdapterError, match=r"'x' \(.*\): not a folder"):
+        load_adapter("x", str(tmp_path / "missing"), model, 64)
+    no_config = _copy(good, tmp_path / "a")
+    (no_config / "adapter_config.json").unlink()
+    with pytest.raises(AdapterError, match="'x'.*no adapter_config.json"):
+        load_adapter("x", str(no_config), model, 64)
+    torn = _copy(good, tmp_path / "b")
+    (torn / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="not JSON"):
+        load_adapter("x", str(torn), model, 64)
+    no_weights = _copy(good, tmp_path / "c")
+    (no_weights / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
+        load_adapter("x", str(no_weights), model, 64)
+    garbage = _copy(good, tmp_path / "d")
+    (garbage / "adapter_model.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(AdapterError, match="does not read"):
+        load_adapter("x", str(garbage), model, 64)
+
+
+def test_a_rank_over_max_lora_rank_is_refused(base, model):
+    with pytest.raises(AdapterError, match=r"'ko'.*rank 16, over MAX_LORA_RANK=8"):
+        load_adapter("ko", str(base[2]["ko"]), model, 8)
+    assert load_adapter("ko", str(base[2]["ko"]), model, 16).rank == 16
+
+
+def test_an_adapter_of_another_model_is_refused(base, model, tmp_path):
+    _hf_logging_quiet()
+    cfg = tiny_config(vocab=300, layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, context=512)
+    write_hf_folder(tmp_path / "other", cfg, tiny_weights(cfg), tiny_bpe_tokenizer(300))
+    other = write_adapter(tmp_path / "other", tmp_path / "lora", ["q_proj"], 4, 8, False, seed=0)
+    with pytest.raises(AdapterError, match=r"'other'.*q_proj: lora_A \[4, 32\].*do not fit.*64"):
+        load_adapter("other", str(other), model, 64)
+
+
+def test_target_modules_the_model_lacks_are_refused(base, model, tmp_path):
+    folder = _copy(base[2]["attn"], tmp_path / "a")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["target_modules"] = ["qkv_proj", "q_proj"]  # Phi-3's fused name, on a Llama
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match=r"'a'.*target modules \['qkv_proj'\], which this llama model lacks"):
+        load_adapter("a", str(folder), model, 64)
+
+
+def test_lora_adapters_setting_is_parsed_and_bounded(base, model):
+    folder = base[2]["attn"]
+    store = AdapterStore.from_setting(f"one={folder}, two={folder}", model, max_loras=2)
+    assert store.names() == ["one", "two"]
+    with pytest.raises(AdapterError, match=r"'three'.*MAX_LORAS=2"):
+        AdapterStore.from_setting(f"one={folder},two={folder},three={folder}", model, max_loras=2)
+    with pytest.raises(ValueError, match="expected name=folder"):
+        AdapterStore.from_setting(str(folder), model)
