@@ -38,6 +38,7 @@ HEAVY_FILES = {
     "tests/service/test_chaos.py": "server processes killed mid-stream",
     "tests/service/test_unsupported_model.py": "server processes refusing a model",
     "tests/engine/test_families.py": "llama.cpp's converter on a tiny model of each family (~3 min)",
+    "tests/engine/test_tokenizer_sentencepiece.py": "llama.cpp's converter on a sentencepiece-vocabulary model",
     "tests/service/test_model_info_layout.py": "a tiny gemma2 made by transformers, servers on the real model",
     "tests/service/test_soak.py": "a 30 s soak",
     "tests/deploy/test_envoy.py": "Envoy and replica processes",

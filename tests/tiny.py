@@ -350,13 +350,14 @@ def write_family_folder(folder, family: str, tokenizer, seed: int = 0, **overrid
 
 def write_sentencepiece_model(path, vocab: int = 400):
     """A sentencepiece model trained on TINY_CORPUS, written to `path` (trained in converter_python(): the
-    test venv has no sentencepiece). Only the converter reads it, for a gemma2 GGUF's vocabulary: kvgen
-    serves the folder with its tokenizer.json, and does not read a GGUF's sentencepiece vocabulary
-    (tokenizer.py: byte-level BPE only), so the GGUF's tokens are not what the tests compare."""
+    test venv has no sentencepiece), for the converter's sentencepiece GGUFs (gemma2's vocabulary;
+    tests/engine/test_tokenizer_sentencepiece.py)."""
     script = ("import io, sys, sentencepiece as spm\n"
               "m = io.BytesIO()\n"
               "spm.SentencePieceTrainer.train(sentence_iterator=iter(sys.argv[2:]), model_writer=m, "
-              f"vocab_size={vocab}, model_type='bpe', byte_fallback=True, hard_vocab_limit=False, minloglevel=2)\n"
+              f"vocab_size={vocab}, model_type='bpe', byte_fallback=True, hard_vocab_limit=False, minloglevel=2, "
+              # as Llama's and Gemma's: no normalizer (llama.cpp applies none: it is not in the GGUF)
+              "normalization_rule_name='identity', remove_extra_whitespaces=False)\n"
               "open(sys.argv[1], 'wb').write(m.getvalue())\n")
     subprocess.run([converter_python(), "-c", script, str(path), *TINY_CORPUS * 8], check=True, timeout=300)
     return path

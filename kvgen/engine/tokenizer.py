@@ -1,8 +1,16 @@
-"""Tokenizer from GGUF metadata (byte-level BPE) or tokenizer.json, plus the chat template.
+"""Tokenizer from GGUF metadata or tokenizer.json, plus the chat template.
 
-The pre-tokenizer follows the model's `tokenizer.ggml.pre`, as llama.cpp does: SmolLM
-("smollm") isolates every digit before the GPT-2 split, which transformers' GGUF
-converter leaves out (so the two differ on multi-digit numbers; ours is the model's).
+A GGUF holds one of two vocabularies (`tokenizer.ggml.model`):
+- "gpt2", byte-level BPE (Llama 3, Qwen, SmolLM, Phi-4): the pre-tokenizer follows the model's
+  `tokenizer.ggml.pre`, as llama.cpp does: SmolLM ("smollm") isolates every digit before the GPT-2
+  split, which transformers' GGUF converter leaves out (so the two differ on multi-digit numbers;
+  ours is the model's).
+- "llama", sentencepiece (Llama 2, Mistral 7B, Phi-3, Gemma): pieces with scores, spaces written
+  as U+2581, bytes outside the pieces as <0xXX> tokens. llama.cpp merges the adjacent pair whose
+  joined piece scores highest, again and again; BPE over every (left, right) split of every piece,
+  ranked by the joined piece's score, makes the same merges. A space is put before the text and
+  after every special token where the file says so (`tokenizer.ggml.add_space_prefix`, default
+  true), as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -13,10 +21,11 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # GGUF token types (gguf.TokenType)
-_CONTROL, _USER_DEFINED = 3, 4
+_UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
+_SPACE = "\u2581"  # sentencepiece's space
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _DIGIT_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
@@ -24,6 +33,44 @@ _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every split of every normal piece into two pieces, best joined score first (sentencepiece's
+    merge order; ties: the shorter left part, then the earlier pieces, as transformers orders them)."""
+    vocab = {t: i for i, t in enumerate(tokens) if types[i] not in (_CONTROL, _BYTE, _UNKNOWN)}
+    found = []
+    for piece, i in vocab.items():
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                found.append((-scores[i], len(left), vocab[left], vocab[right], left, right))
+    return [(left, right) for *_, left, right in sorted(found)]
+
+
+def _sentencepiece(field, tokens: list[str], types: list[int]) -> Tokenizer:
+    scores = field("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    unk = field("tokenizer.ggml.unknown_token_id")
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)  # a piece listed twice: its first id, as llama.cpp's token_to_id
+    tok = Tokenizer(models.BPE(vocab, _sentencepiece_merges(tokens, scores, types), fuse_unk=True,
+                               byte_fallback=True, unk_token=tokens[unk] if unk is not None else None))
+    prefix = bool(field("tokenizer.ggml.add_space_prefix", True))
+    spaces = [normalizers.Replace(" ", _SPACE)]
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(_SPACE), *spaces] if prefix else spaces)
+    decode = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence([*decode, decoders.Strip(" ", 1, 0)] if prefix else decode)
+    return tok
+
+
+def _byte_level_bpe(field, tokens: list[str]) -> Tokenizer:
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    return tok
 
 
 def _pre_tokenizer(pre: str):
@@ -66,20 +113,19 @@ class TextTokenizer:
             return default if f is None else f.contents()
 
         model = field("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (byte-level BPE 'gpt2' only)")
+        if model not in ("gpt2", "llama"):
+            raise ValueError(f"unsupported GGUF tokenizer model {model!r} (byte-level BPE 'gpt2' and "
+                             "sentencepiece 'llama' only)")
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
-        vocab = {t: i for i, t in enumerate(tokens)}
-        tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-        tok.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre", "default"))
-        tok.decoder = decoders.ByteLevel()
+        tok = _byte_level_bpe(field, tokens) if model == "gpt2" else _sentencepiece(field, tokens, types)
         special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
         tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
         bos = field("tokenizer.ggml.bos_token_id")
         eos = field("tokenizer.ggml.eos_token_id")
-        return cls(tok, field("tokenizer.chat_template"), bos, bool(field("tokenizer.ggml.add_bos_token", False)),
+        # a sentencepiece file that does not say gets BOS, as llama.cpp gives it
+        add_bos = field("tokenizer.ggml.add_bos_token", model == "llama")
+        return cls(tok, field("tokenizer.chat_template"), bos, bool(add_bos),
                    set(special), tokens[eos] if eos is not None else "")
 
     @classmethod
