@@ -3,7 +3,8 @@ paged attention, SiLU, residuals) with every op a loop, the matmuls being block_
 over weight_blocks' codes, so a step costs the weights' bytes and little else.
 
 The engine's fused_decode.py gathers a model's weights into the arrays `step` reads and calls it;
-this module knows nothing of the model beyond those arrays. It runs rows of one new token each,
+this module knows nothing of the model beyond those arrays (every matrix a table's rows of parts,
+each part of any kind of blocks, in flat buffers: _linear). It runs rows of one new token each,
 however many, over fp32 keys and values or fp8 / q4 (kv_io.py writes and reads them), and over
 fp32 KV also runs of consecutive positions of one sequence (a prompt chunk, a draft's k + 1
 tokens). Each row runs the same operations whatever the other rows: the matmul kernels' rows are
@@ -109,32 +110,91 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
               kv_heads, head_dim, gu, act)
 
 
-@njit(nogil=True, inline="always")
-def _linear(w, layer, x, y, room):  # pragma: no cover - compiled
-    """y = x W^T for one layer's weight of a stacked family w = (codes, d, m, q4): 4-bit blocks
-    (Q4_0, Q4_1, Q4_K) where q4, else 8-bit codes with a scale per 32 (Q8_0, Q5_0, IQ4_NL, IQ4_XS)."""
-    if w[3]:
-        block_matmul.q4_linear(x, w[0][layer], w[1][layer], w[2][layer], y, room)
-    else:
-        block_matmul.q8_linear(x, w[0][layer], w[1][layer], y, room)
+# A weight's parts (decode step's `table`: every matrix part a row of int64 fields): its kind of
+# blocks (weight_blocks.BLOCK_TYPES; NONE ends a linear's list of parts), where its codes and
+# scales start in the flat buffers of `weights` (codes in the uint8 buffer for q4, the int8 one for
+# the others; d and m in the float32 one), its tiles of TILE output rows and blocks of 32 inputs,
+# and the output columns it fills (a fused q|k|v whose v is another kind: its parts side by side).
+NONE, Q4, Q8, Q8M, Q8H, Q8HM = -1, 0, 1, 2, 3, 4
+KINDS = {"q4": Q4, "q8": Q8, "q8m": Q8M, "q8h": Q8H, "q8hm": Q8HM}
+KIND, CODES, D, M, TILES, GROUPS, COL, WIDTH = range(8)
+FIELDS = 8
 
 
 @njit(cache=True, nogil=True)
-def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, norm, qkv, o, gate_up, down, head,
-          head_q4, cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
+def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
+    """y = x W^T for the part of table row p (its whole tiles: y has tiles * TILE columns), on the
+    kernel of its kind, over views of the flat buffers shaped as BlockLinear holds them."""
+    codes4, codes8, scales = weights
+    tiles, groups, at, dat, mat = p[TILES], p[GROUPS], p[CODES], p[D], p[M]
+    n = tiles * groups * vector_matmul.TILE  # scales: one per block and output row (two for q8h, q8hm)
+    if kind == Q4:
+        qs = codes4[at:at + n * 16].reshape((tiles, groups, 8, vector_matmul.TILE, 2))
+        d = scales[dat:dat + n].reshape((tiles, groups, vector_matmul.TILE))
+        m = scales[mat:mat + n].reshape((tiles, groups, vector_matmul.TILE))
+        block_matmul.q4_linear(x, qs, d, m, y, room)
+        return
+    qs = codes8[at:at + n * 32].reshape((tiles, groups, 16, vector_matmul.TILE, 2))
+    if kind == Q8:
+        block_matmul.q8_linear(x, qs, scales[dat:dat + n].reshape((tiles, groups, vector_matmul.TILE)), y, room)
+    elif kind == Q8M:
+        d = scales[dat:dat + n].reshape((tiles, groups, vector_matmul.TILE))
+        m = scales[mat:mat + n].reshape((tiles, groups, vector_matmul.TILE))
+        block_matmul.q8m_linear(x, qs, d, m, y, room)
+    elif kind == Q8H:
+        block_matmul.q8h_linear(x, qs, scales[dat:dat + 2 * n].reshape((tiles, groups, 2, vector_matmul.TILE)), y,
+                                room)
+    else:
+        d = scales[dat:dat + 2 * n].reshape((tiles, groups, 2, vector_matmul.TILE))
+        m = scales[mat:mat + 2 * n].reshape((tiles, groups, 2, vector_matmul.TILE))
+        block_matmul.q8hm_linear(x, qs, d, m, y, room, sums)
+
+
+@njit(cache=True, nogil=True)
+def _linear(parts, weights, x, y, room, sums, spare):  # pragma: no cover - compiled
+    """y = x W^T for one weight whose parts (rows of the table) may each be of another kind: a
+    weight of one part whose tiles fill y is written in place; each part of the others into
+    spare (flat), then its own columns copied to theirs in y (a part's padding rows dropped)."""
+    rows = x.shape[0]
+    single = parts.shape[0] == 1 or parts[1, KIND] == NONE
+    for i in range(parts.shape[0]):
+        p = parts[i]
+        kind = p[KIND]
+        if kind == NONE:
+            break
+        wide = p[TILES] * vector_matmul.TILE
+        if single and wide == y.shape[1]:
+            _part(kind, p, weights, x, y, room, sums)
+            continue
+        out = spare[:rows * wide].reshape((rows, wide))
+        _part(kind, p, weights, x, out, room, sums)
+        col, width = p[COL], p[WIDTH]
+        for r in range(rows):
+            y[r, col:col + width] = out[r, :width]
+
+
+@njit(cache=True, nogil=True)
+def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, norm, weights, table, head, widths,
+         cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
+    """table [layers, 4, parts, FIELDS]: each layer's qkv, o, gate_up and down as rows of parts
+    (_linear); head [parts, FIELDS] the same for the lm head; widths: the four outputs' columns,
+    then the widest part that goes through the spare buffer (0: none does)."""
     rows, hidden = tokens.shape[0], embed.shape[1]
     h = np.empty((rows, hidden), np.float32)
     for r in range(rows):
         h[r] = embed[tokens[r]]
     x = np.empty((rows, hidden), np.float32)
-    qkv_out = np.empty((rows, qkv[1].shape[1] * qkv[1].shape[-1]), np.float32)
+    qkv_out = np.empty((rows, widths[0]), np.float32)
     att = np.empty((rows, heads * head_dim), np.float32)
-    o_out = np.empty((rows, o[1].shape[1] * o[1].shape[-1]), np.float32)
-    gu = np.empty((rows, gate_up[1].shape[1] * gate_up[1].shape[-1]), np.float32)
+    o_out = np.empty((rows, widths[1]), np.float32)
+    gu = np.empty((rows, widths[2]), np.float32)
     act = np.empty((rows, inter), np.float32)
-    d_out = np.empty((rows, down[1].shape[1] * down[1].shape[-1]), np.float32)
+    d_out = np.empty((rows, widths[3]), np.float32)
     # the head's rows may outnumber the step's (a row named twice in need)
-    room = vector_matmul.scratch(max(rows, need.shape[0]), max(hidden, inter, heads * head_dim))
+    most, widest = max(rows, need.shape[0]), max(hidden, inter, heads * head_dim)
+    room = vector_matmul.scratch(most, widest)
+    sums = np.empty(most * (widest // 16), np.float32)  # q8hm's sums of x per 16 inputs
+    spare = np.empty(most * widths[4], np.float32)
     block = kv.shape[3]
     nq, nk = heads * head_dim, kv_heads * head_dim
     plain = kvq[kv_io.KIND] == kv_io.PLAIN
@@ -143,7 +203,7 @@ def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, 
         # the previous layer's MLP output is added here, with this layer's first norm
         _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
                heads, kv_heads, head_dim, gu, act)
-        _linear(qkv, layer, x, qkv_out, room)
+        _linear(table[layer, 0], weights, x, qkv_out, room, sums, spare)
         if plain:
             _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
                    kv_heads, head_dim, gu, act)
@@ -161,13 +221,13 @@ def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, 
                 kv_io.write(kvq, layer, pos, b, off, q[nq:nq + nk], q[nq + nk:nq + 2 * nk], kv_heads)
         paged_attention.attend(qkv_out, kv, kvq, layer, tables, positions, heads, kv_heads, head_dim, att, plan,
                                partial, slot, kt)
-        _linear(o, layer, att, o_out, room)
+        _linear(table[layer, 1], weights, att, o_out, room, sums, spare)
         _stage(ADD_NORM, h, o_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads,
                head_dim, gu, act)
-        _linear(gate_up, layer, x, gu, room)
+        _linear(table[layer, 2], weights, x, gu, room, sums, spare)
         _stage(SILU, h, d_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
                gu, act)
-        _linear(down, layer, act, d_out, room)
+        _linear(table[layer, 3], weights, act, d_out, room, sums, spare)
     for r in range(rows):
         for i in range(hidden):
             h[r, i] += d_out[r, i]
@@ -178,10 +238,7 @@ def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, 
         _rms_norm(h[need[i]], norm, eps, x[i])
     for r in range(features.shape[0]):  # every row's final-norm hidden state, where asked (EAGLE)
         _rms_norm(h[r], norm, eps, features[r])
-    if head_q4:
-        block_matmul.q4_linear(x, head[0], head[1], head[2], logits, room)
-    else:
-        block_matmul.q8_linear(x, head[0], head[1], logits, room)
+    _linear(head, weights, x, logits, room, sums, spare)
 
 
 # Rows of one sequence in a step from which its blocks are transposed once a layer for them all

@@ -1,5 +1,5 @@
-"""A decode step of a few sequences as one compiled call, for gguf weights (each family of matrices in
-one kind over the layers: 4-bit blocks or 8-bit codes) over an fp32, fp8 or q4 KV cache.
+"""A decode step of a few sequences as one compiled call, for gguf weights (any kinds of blocks, mixed
+as the file mixes them: per layer, per part of a fused weight, the head) over an fp32, fp8 or q4 KV cache.
 
 At batch 1 on a small model, torch's per-op dispatch is a third of the step: Model.forward issues
 ~30 ops per layer (norms, RoPE, the cache write and read, attention, the activation, residuals)
@@ -15,10 +15,13 @@ window or chunked attention, no bias. Every other step takes Model.forward.
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import torch
 
 from kvgen.cpu import decode_step, key_lanes, kv_io, paged_attention
+from kvgen.cpu.vector_matmul import TILE
 from kvgen.cpu.weight_blocks import GROUP, BlockLinear
 
 
@@ -31,17 +34,75 @@ def _longest_run(rows) -> int:
     return best
 
 
-def _stack(linears: list[BlockLinear]) -> tuple:
-    """(codes, d, m, q4) of every layer's linear, stacked along a new first axis (m is d again for
-    8-bit codes, which have none: the step's call that would read it is not taken). Each linear
-    then reads its own slice of the stack (a view), so the blocks are held once, not twice."""
-    q4 = linears[0].kind == "q4"
-    names = ("qs", "d", "m") if q4 else ("qs", "d")
-    stacks = tuple(np.stack([getattr(lin, a) for lin in linears]) for a in names)
-    for i, lin in enumerate(linears):
-        for a, stack in zip(names, stacks, strict=True):
-            setattr(lin, a, stack[i])
-    return stacks[0], stacks[1], stacks[-1], q4
+FAMILIES = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the step's table order
+# The families whose layers the step computes (model.py's Llama loop: no extra norms, softcaps,
+# q/k norms): another family's model runs Model.forward
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def _parts(lin) -> list:
+    """A linear's matrices: a PartsLinear's parts (model.py: q|k|v whose parts differ in kind), or itself."""
+    return list(getattr(lin, "parts", [lin]))
+
+
+class _Weights:
+    """Every matrix part of the model's linears in three flat buffers (q4 codes, int8 codes, float32
+    scales) that the step slices by its table's offsets (decode_step._linear), so each part keeps its
+    own kind, layer by layer and within a fused weight. Each BlockLinear is then pointed at its own
+    slice (a view), so the weights are held once, not twice: a linear is copied in and its old
+    arrays dropped before the next, so the load's peak grows by one matrix, not the model."""
+
+    def __init__(self, linears: list):
+        parts = [p for lin in linears for p in _parts(lin)]
+        self.codes4 = np.empty(sum(p.qs.size for p in parts if p.kind == "q4"), np.uint8)
+        self.codes8 = np.empty(sum(p.qs.size for p in parts if p.kind != "q4"), np.int8)
+        self.scales = np.empty(sum(p.d.size + (0 if p.m is None else p.m.size) for p in parts), np.float32)
+        self._at = {"codes4": 0, "codes8": 0, "scales": 0}
+
+    def _put(self, name: str, a: np.ndarray) -> tuple[int, np.ndarray]:
+        buf, at = getattr(self, name), self._at[name]
+        view = buf[at:at + a.size].reshape(a.shape)
+        view[...] = a.view(buf.dtype)
+        self._at[name] = at + a.size
+        return at, view
+
+    def rows(self, lin) -> np.ndarray:
+        """lin's parts as table rows [parts, FIELDS], each part's blocks moved into the buffers and
+        the part pointed at them; the parts' outputs side by side, in their order."""
+        parts = _parts(lin)
+        table = np.zeros((len(parts), decode_step.FIELDS), np.int64)
+        col = 0
+        for row, part in zip(table, parts, strict=True):
+            row[decode_step.KIND] = decode_step.KINDS[part.kind]
+            row[decode_step.CODES], part.qs = self._put("codes4" if part.kind == "q4" else "codes8", part.qs)
+            row[decode_step.D], part.d = self._put("scales", part.d)
+            if part.m is not None:
+                row[decode_step.M], part.m = self._put("scales", part.m)
+            row[decode_step.TILES], row[decode_step.GROUPS] = part.qs.shape[:2]
+            row[decode_step.COL], row[decode_step.WIDTH] = col, part.out_features
+            col += part.out_features
+        return table
+
+    @property
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self.codes4, self.codes8, self.scales
+
+
+def _release_freed() -> None:
+    """Give the pages of the blocks' old arrays back to the system: glibc keeps freed heap memory for
+    reuse, so the copies left RSS a file's blocks higher (119 MiB on the SmolLM2 Q4_K_M, and the
+    stacks before them the same); malloc_trim returns it (to below the model's RSS before)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+def _width(lin) -> int:
+    """The columns a linear's output takes in the step: a one-part weight's whole tiles (the kernel
+    writes them in place), a weight of parts the sum of theirs (each copied from the spare buffer)."""
+    parts = _parts(lin)
+    return parts[0].qs.shape[0] * TILE if len(parts) == 1 else sum(p.out_features for p in parts)
 
 
 def _supports_kv(fmt, head_dim: int) -> bool:
@@ -57,21 +118,48 @@ def _supports_kv(fmt, head_dim: int) -> bool:
             and (fmt.qk_scale is None or fmt.qk_scale.dtype == torch.float32))
 
 
+def _why_not_linear(lin, name: str) -> str | None:
+    for part in _parts(lin):
+        if not isinstance(part, BlockLinear):
+            return f"{name} is not in GGUF blocks ({type(part).__name__}, {getattr(part, 'dtype', '?')})"
+        if part.kind not in decode_step.KINDS:
+            return f"{name} is in blocks of kind {part.kind}, which the step has no kernel for"
+        if part.b is not None:
+            return f"{name} has a bias"
+    return None if getattr(lin, "b", None) is None else f"{name} has a bias"
+
+
 class FusedDecode:
     """Model.forward for a decode step, as one compiled call.
-    `supports(model, fmt)` says whether a model and KV format can run it."""
+    `supports(model, fmt)` says whether a model and KV format can run it, `why_not` why not."""
+
+    @staticmethod
+    def why_not(model, fmt) -> str | None:
+        """The first reason the model and KV format cannot take the step, in words; None if they can."""
+        cfg = model.cfg
+        if model.device.type != "cpu":
+            return f"the model is on {model.device.type}: the step runs on the CPU"
+        if model.weight_dtype != "gguf":
+            return f"weights {model.weight_dtype}: the step multiplies GGUF blocks only (WEIGHT_DTYPE gguf or auto)"
+        if cfg.architecture not in ARCHITECTURES:
+            return f"architecture {cfg.architecture}: the step computes {', '.join(ARCHITECTURES)} layers only"
+        for i, layer in enumerate(model.layers):
+            for f in FAMILIES:
+                if (why := _why_not_linear(getattr(layer, f), f"layer {i}'s {f}")) is not None:
+                    return why
+        if (why := _why_not_linear(model.lm_head, "the lm head")) is not None:
+            return why
+        if not _supports_kv(fmt, cfg.head_dim):
+            return (f"KV format {fmt.name} (block size {fmt.block_size}, head dim {cfg.head_dim}): the step takes fp32 "
+                    f"or fp8 / q4 computing in fp32, blocks of whole {key_lanes.TILE}-key tiles")
+        if cfg.hidden_size % GROUP or cfg.intermediate_size % GROUP:
+            return (f"hidden size {cfg.hidden_size}, intermediate size {cfg.intermediate_size}: "
+                    f"the step takes multiples of {GROUP}")
+        return None
 
     @staticmethod
     def supports(model, fmt) -> bool:
-        families = [[getattr(layer, f) for layer in model.layers] for f in ("qkv", "o", "gate_up", "down")]
-        return (model.device.type == "cpu" and model.weight_dtype == "gguf"
-                and all(isinstance(lin, BlockLinear) and lin.b is None for fam in families for lin in fam)
-                # each family's layers in one kind the step's calls take (a stack of one dtype)
-                and all(len({lin.kind for lin in fam}) == 1 and fam[0].kind in ("q4", "q8") for fam in families)
-                and isinstance(model.lm_head, BlockLinear) and model.lm_head.b is None
-                and model.lm_head.kind in ("q4", "q8")  # the step's head call takes these two
-                and _supports_kv(fmt, model.cfg.head_dim)
-                and model.cfg.hidden_size % GROUP == 0 and model.cfg.intermediate_size % GROUP == 0)
+        return FusedDecode.why_not(model, fmt) is None
 
     def __init__(self, model):
         cfg = model.cfg
@@ -81,16 +169,28 @@ class FusedDecode:
         self.ln1 = np.stack([layer.ln1.w.numpy() for layer in layers])
         self.ln2 = np.stack([layer.ln2.w.numpy() for layer in layers])
         self.norm = model.norm.w.numpy()
-        self.qkv = _stack([layer.qkv for layer in layers])
-        self.o = _stack([layer.o for layer in layers])
-        self.gate_up = _stack([layer.gate_up for layer in layers])
-        self.down = _stack([layer.down for layer in layers])
+        linears = [getattr(layer, f) for layer in layers for f in FAMILIES]
         head = model.lm_head
-        # (qs, d, m); Q8 has no m (the kernel call that reads it is not taken)
-        self.head = (head.qs, head.d, head.m if head.kind == "q4" else head.d)
-        self.head_q4 = head.kind == "q4"
+        weights = _Weights([*linears, head])
+        most = max(len(_parts(lin)) for lin in [*linears, head])
+        self.table = np.zeros((len(layers), len(FAMILIES), most, decode_step.FIELDS), np.int64)
+        self.table[..., decode_step.KIND] = decode_step.NONE
+        widths = [max(_width(getattr(layer, f)) for layer in layers) for f in FAMILIES]
+        spare = 0  # the widest part not written in place (decode_step._linear)
+        for i, layer in enumerate(layers):
+            for j, f in enumerate(FAMILIES):
+                rows = weights.rows(getattr(layer, f))
+                self.table[i, j, :len(rows)] = rows
+                if len(rows) > 1 or rows[0, decode_step.TILES] * TILE != widths[j]:
+                    spare = max(spare, int(rows[:, decode_step.TILES].max()) * TILE)
+        self.head = weights.rows(head)
+        self.padded_vocab = _width(head)
+        if len(self.head) > 1:
+            spare = max(spare, int(self.head[:, decode_step.TILES].max()) * TILE)
+        self.widths = np.array([*widths, spare], np.int64)
+        self.weights = weights.arrays
+        _release_freed()
         self.vocab = head.out_features
-        self.padded_vocab = head.d.shape[0] * head.d.shape[-1]
         self._plain = kv_io.cache_tuple(None, {})
         self._no_features = np.empty((0, cfg.hidden_size), np.float32)  # what a step without features passes
         # nor blocks to transpose (their list, their places in it, their transposed copy)
@@ -144,7 +244,7 @@ class FusedDecode:
             blocks, slot = paged_attention.blocks_read(tables, positions, kv.shape[3], kv.shape[0])
             kt = decode_step.aligned((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]))
         decode_step.step(tokens, positions, tables, kv, kvq, blocks, slot, kt, self.embed, self.ln1, self.ln2,
-              self.norm, self.qkv, self.o, self.gate_up, self.down, self.head, self.head_q4, self.cos, self.sin,
+              self.norm, self.weights, self.table, self.head, self.widths, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
               need, logits, self._no_features if features is None else features)
         return torch.from_numpy(logits[:, :self.vocab])

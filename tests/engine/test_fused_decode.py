@@ -154,6 +154,26 @@ def test_the_runner_fuses_only_what_it_supports(q4_model):
     assert runner("q3").fused is None and runner("bf16").fused is None  # fp8 / q4: test_kv_io.py
 
 
+def test_why_not_names_the_first_reason_a_model_does_not_take_the_step(q4_model):
+    """A family whose layers the step does not compute (model.py's other architectures), weights
+    not in blocks and a KV format the step cannot read are each refused, with the reason named."""
+    import copy
+    import dataclasses
+
+    m, cfg = q4_model, q4_model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert FusedDecode.why_not(m, fmt) is None
+    other = copy.copy(m)
+    for arch in ("qwen3", "gemma2", "phi3"):
+        other.cfg = dataclasses.replace(cfg, architecture=arch)
+        assert not FusedDecode.supports(other, fmt) and f"architecture {arch}" in FusedDecode.why_not(other, fmt)
+    other.cfg = cfg
+    other.weight_dtype = "fp32"
+    assert "weights fp32" in FusedDecode.why_not(other, fmt)
+    q3 = make_format("q3", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert not FusedDecode.supports(m, q3) and "KV format q3" in FusedDecode.why_not(m, q3)
+
+
 def test_default_weights_decode_like_transformers(hf_model):
     """The default (auto: the GGUF's blocks, one-sequence steps fused) on the embedded model:
     greedy continuations equal transformers fp32 on the same GGUF, token for token."""
@@ -285,3 +305,145 @@ def test_prompt_rows_do_not_depend_on_how_the_prompt_was_cut(q4_model, bpe):  # 
 
     assert run(7, 1) == run(512, 1)
     assert run(512, warm=True) == run(512)
+
+
+# --- models whose matrices mix kinds of blocks (llama-quantize's K-mixtures) ---
+
+# The kinds per layer, per weight (HF names), and of the head: layer 0's q|k|v and layer 1's
+# q|k|v, gate|up are fused weights of parts in different kinds; hidden 256 takes the K-quants,
+# hidden 576 (SmolLM2-135M's) only where the input is the MLP's 1536 (down), as in its real
+# Q4_K_M / Q5_K_M files, and the 32-block fallbacks elsewhere.
+MIXTURES = {
+    256: ({"q_proj": "Q4_K", "k_proj": "Q4_K", "v_proj": "Q6_K", "o_proj": "Q8_0", "gate_proj": "Q5_1",
+           "up_proj": "Q5_K", "down_proj": "Q6_K"},
+          {"q_proj": "Q2_K", "k_proj": "Q3_K", "v_proj": "Q5_0", "o_proj": "Q2_K", "gate_proj": "IQ4_XS",
+           "up_proj": "Q2_K", "down_proj": "Q5_0"}, "Q6_K"),
+    576: ({"q_proj": "Q5_1", "k_proj": "Q5_1", "v_proj": "Q8_0", "o_proj": "Q5_0", "gate_proj": "Q4_1",
+           "up_proj": "IQ4_NL", "down_proj": "Q6_K"},
+          {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q5_0", "o_proj": "Q4_1", "gate_proj": "Q5_0",
+           "up_proj": "Q5_0", "down_proj": "Q2_K"}, "Q5_1"),
+}
+# the kinds the model's linears then hold, part by part (weight_blocks.BLOCK_TYPES)
+MIXED_KINDS = {
+    256: [{"qkv": ["q4", "q4", "q8h"], "o": ["q8"], "gate_up": ["q8m"], "down": ["q8h"]},
+          {"qkv": ["q8hm", "q8h", "q8"], "o": ["q8hm"], "gate_up": ["q8", "q8hm"], "down": ["q8"]}],
+    576: [{"qkv": ["q8m", "q8m", "q8"], "o": ["q8"], "gate_up": ["q4", "q8"], "down": ["q8h"]},
+          {"qkv": ["q4", "q4", "q8"], "o": ["q4"], "gate_up": ["q8"], "down": ["q8hm"]}],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXTURES))
+def mixed_model(gguf_base, bpe, request):  # noqa: F811
+    """A 2-layer model whose matrices are in the kinds MIXTURES gives, hidden 256 or 576."""
+    from kvgen.engine.fused_decode import _parts
+    from tests import tiny
+    from tests.engine.test_model_files_quants import _write
+    from tests.tiny import tiny_config, tiny_weights
+
+    d, cfg, weights, _, _ = gguf_base
+    hidden = request.param
+    if hidden != cfg.hidden_size:
+        cfg = tiny_config(vocab=cfg.vocab_size, hidden=576, heads=9, kv_heads=3, ffn=1536, layers=2)
+        cfg.bos_token_id, cfg.eos_token_ids = 0, [2]
+        weights = tiny_weights(cfg, seed=12)
+    *layers, head = MIXTURES[hidden]
+    types = {"lm_head.weight": getattr(gguf.GGMLQuantizationType, head),
+             "model.embed_tokens.weight": getattr(gguf.GGMLQuantizationType, head)}  # (tied, or not)
+    for i, layer in enumerate(layers):
+        for name, t in layer.items():
+            part = "self_attn" if name[0] in "qkvo" else "mlp"
+            types[f"model.layers.{i}.{part}.{name}.weight"] = getattr(gguf.GGMLQuantizationType, t)
+    path = d / f"mixed-{hidden}.gguf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny, "gguf_quantize", _write)
+        write_gguf(path, cfg, weights, bpe, types=types)
+    m = load_model(str(path), "gguf")[0]
+    for layer, kinds in zip(m.layers, MIXED_KINDS[hidden], strict=True):  # the file mixes what it says
+        assert {f: [p.kind for p in _parts(getattr(layer, f))] for f in kinds} == kinds
+    return m
+
+
+def test_a_mixture_of_kinds_decodes_like_the_forward(mixed_model):
+    """Each matrix part multiplies on its own kind's kernel inside the step (the head too): 30
+    decode steps across block boundaries give Model.forward's logits, final hidden states and K/V."""
+    m, cfg = mixed_model, mixed_model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    assert FusedDecode.why_not(m, fmt) is None and FusedDecode.supports(m, fmt)
+    fused = FusedDecode(m)
+    linears = [getattr(layer, f) for layer in m.layers for f in ("qkv", "o", "gate_up", "down")] + [m.lm_head]
+    for part in (p for lin in linears for p in getattr(lin, "parts", [lin])):  # the weights held once
+        codes = fused.weights[0 if part.kind == "q4" else 1]
+        assert all(np.may_share_memory(a, b) for a, b in ((part.qs, codes), (part.d, fused.weights[2])))
+    ids = torch.randint(3, cfg.vocab_size, (35,), generator=torch.Generator().manual_seed(5)).tolist()
+    pools = [BlockPool(fmt, 4) for _ in range(2)]
+    caches = [prefill(m, fmt, p, ids[:5]) for p in pools]
+    for pos in range(5, 35):
+        for cache in caches:
+            cache.reserve(1)
+        want_features, got_features = [], np.empty((1, cfg.hidden_size), np.float32)
+        want = m.forward(torch.tensor([ids[pos]]), decode_step(caches[:1]), fmt, pools[0].store,
+                         features=want_features)
+        got = fused([(ids[pos], pos, caches[1].blocks)], pools[1].store, features=got_features)
+        assert_near(got, want)
+        assert_near(torch.from_numpy(got_features), want_features[0])
+        for c in caches:
+            c.advance(1)
+    assert_near(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][caches[0].blocks])
+
+
+def test_a_mixtures_batched_rows_and_prompt_chunk_equal_the_forward(mixed_model):
+    """MANY sequences decoding one token each in one step, then a 40-token prompt chunk as rows of
+    the step (transposed blocks, parallel rows): every row's logits and K/V are Model.forward's."""
+    m, cfg = mixed_model, mixed_model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    fused = FusedDecode(m)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, cfg.vocab_size, (14 + i,), generator=g).tolist() for i in range(MANY)]
+    nxt = torch.randint(3, cfg.vocab_size, (MANY,), generator=g).tolist()
+    pools = [BlockPool(fmt, 3 * MANY + 3) for _ in range(2)]
+    caches = [[prefill(m, fmt, pool, p) for p in prompts] for pool in pools]
+    want = m.forward(torch.tensor(nxt), decode_step(caches[0]), fmt, pools[0].store)
+    got = fused([(t, c.length, c.blocks) for t, c in zip(nxt, caches[1], strict=True)], pools[1].store)
+    assert_near(got, want)
+    for a, b in zip(*caches, strict=True):
+        assert_near(pools[1].store["kv"][b.blocks], pools[0].store["kv"][a.blocks])
+    chunk = torch.randint(3, cfg.vocab_size, (40,), generator=g).tolist()
+    chunk_caches = [PagedKVCache(pool) for pool in pools]
+    for c in chunk_caches:
+        c.reserve(40)
+    b, o = chunk_caches[0].slots(0, 40)
+    step = Step(positions=torch.arange(40), write_blocks=b, write_offsets=o, query_lens=[40], context_lens=[40],
+                block_tables=torch.tensor([chunk_caches[0].blocks]), logits_rows=None, is_decode=False)
+    want = m.forward(torch.tensor(chunk), step, fmt, pools[0].store)
+    got = fused([(t, p, chunk_caches[1].blocks) for p, t in enumerate(chunk)], pools[1].store)
+    assert got.shape == want.shape == (40, cfg.vocab_size)
+    assert_near(got, want)
+    assert_near(pools[1].store["kv"][chunk_caches[1].blocks], pools[0].store["kv"][chunk_caches[0].blocks])
+
+
+@pytest.mark.parametrize("kv", ["fp8", "q4"])
+def test_a_mixture_decodes_over_quantized_kv_like_the_forward(mixed_model, kv):
+    """Over fp8 / q4 KV (keys equalised as the Generator fits them): 20 decode steps of 3
+    sequences give the forward's logits on the same format (kv_io's rounding: test_kv_io.py)."""
+    from kvgen.engine.kv_samples import calibrate_format
+
+    m, cfg = mixed_model, mixed_model.cfg
+    fmts = []
+    for _ in range(2):
+        fmts.append(make_format(kv, cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim))
+        calibrate_format(m, fmts[-1], ids=list(range(3, 200)))
+    assert FusedDecode.supports(m, fmts[1])
+    fused = FusedDecode(m)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, cfg.vocab_size, (5 + 7 * i,), generator=g).tolist() for i in range(3)]
+    pools = [BlockPool(f, 16) for f in fmts]
+    caches = [[prefill(m, f, pool, p) for p in prompts] for f, pool in zip(fmts, pools, strict=True)]
+    for _ in range(20):
+        nxt = torch.randint(3, cfg.vocab_size, (3,), generator=g).tolist()
+        for c in caches[0] + caches[1]:
+            c.reserve(1)
+        want = m.forward(torch.tensor(nxt), decode_step(caches[0]), fmts[0], pools[0].store)
+        got = fused([(t, c.length, c.blocks) for t, c in zip(nxt, caches[1], strict=True)], pools[1].store, fmts[1])
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+        for c in caches[0] + caches[1]:
+            c.advance(1)

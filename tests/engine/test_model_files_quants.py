@@ -252,11 +252,10 @@ def test_block_types_run_on_their_kernels(gguf_base, bpe, tmp_path, monkeypatch,
 
 
 @pytest.mark.parametrize("head", [Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
-def test_a_head_the_fused_step_cannot_run_leaves_it_to_model_forward(gguf_base, bpe, tmp_path, monkeypatch,  # noqa: F811
-                                                                        head):
-    """Real files often ship output.weight as Q6_K over Q4 layers. The fused decode step's head call
-    takes q4 and q8 blocks only: with a head of another kind the model runs Model.forward, and
-    greedy decoding gives the fp32 model's tokens."""
+def test_a_head_of_another_kind_runs_in_the_fused_step(gguf_base, bpe, tmp_path, monkeypatch,  # noqa: F811
+                                                       head):
+    """Real files often ship output.weight as Q6_K over Q4 layers. The fused decode step takes a
+    head of any kind (on its own kind's kernel), and greedy decoding gives the fp32 model's tokens."""
     from kvgen.engine.fused_decode import FusedDecode
     from kvgen.engine.generator import EngineOptions, Generator
     from kvgen.engine.kv.formats import make_format
@@ -270,7 +269,7 @@ def test_a_head_the_fused_step_cannot_run_leaves_it_to_model_forward(gguf_base, 
     model, tok = load_model(str(path), "gguf")
     assert model.layers[0].qkv.kind == "q4" and model.lm_head.kind == BLOCK_TYPES[head.name][0]
     fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
-    assert not FusedDecode.supports(model, fmt)
+    assert FusedDecode.supports(model, fmt)
     params = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     outputs = []
     for m in (model, load_model(str(path), "fp32")[0]):
