@@ -175,10 +175,12 @@ bench-ab: $(STAMP) $(STUBS)
 bench-soak: $(STAMP) $(STUBS)
 	$(PY) bench/soak.py $(SOAK_ARGS)
 
-# 2 replicas behind Envoy vs 1 direct under locust session traffic: bench/results/mesh.md
+# 2 replicas behind Envoy vs 1 direct under locust session traffic, then 8 stateless chat clients
+# through Envoy least request, smg round_robin and smg cache_aware: bench/results/mesh.md
 bench-mesh: $(STAMP) $(STUBS)
 	$(PIP) install -q -e '.[bench]'
 	$(PY) bench/mesh.py $(MESH_ARGS)
+	$(PY) bench/mesh_chat.py $(MESH_CHAT_ARGS)
 
 clean:
 	rm -rf $(VENV) $(LMEVAL_VENV) clients/go/.build $(STUBS) kvgen/v1/generate_pb2.pyi

@@ -1,7 +1,7 @@
 """Two replicas behind Envoy against one replica direct, under the same session traffic from
 locust's gRPC user; Envoy's own latency per call; and whether Envoy's client-side weighted round
 robin, fed by the ORCA load report in every kvgen response, steers calls away from a busy replica.
-Writes bench/results/mesh.md.
+Writes bench/results/mesh.md (its first section; bench/mesh_chat.py's stays).
 
     make bench-mesh                       # the embedded model, 30 s per setup
     .venv/bin/python bench/mesh.py --duration 10 --model tiny.gguf
@@ -187,7 +187,11 @@ see them; r0's ORCA reports do):
 | --- | --- | --- |
 {steer}
 """
-    Path(a.out).write_text(text)
+    out = Path(a.out)
+    # the sections other scripts append (bench/mesh_chat.py's "## ..."): kept as they are
+    old = out.read_text() if out.exists() else ""
+    rest = old[old.find("\n## ") + 1:] if "\n## " in old else ""
+    out.write_text(text + ("\n" + rest if rest else ""))
     print(text)
 
 
