@@ -34,6 +34,7 @@ caches after the step.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 
 import numpy as np
@@ -50,6 +51,8 @@ from kvgen.gpu.graphs import GraphRunner, buckets_for
 
 Batch = Sequence[tuple]  # (sequence, new tokens this step): the scheduler's batch
 Row = tuple[int, int, Sequence[int]]  # (new token, tokens already cached, block ids)
+
+log = logging.getLogger("kvgen.engine")
 
 
 def pick_kernel_attention(device: torch.device, fmt, head_dim: int, window: int = 0, chunk: int = 0,
@@ -128,7 +131,30 @@ class ModelRunner:
         self._fused_chunks = fmt.name == "fp32"
         if self.fused is not None:
             in_fresh_thread(self.fused.compile)  # its OpenMP pool goes with the thread (threads.py)
+        self.decode_path, self.decode_path_reason = self._decode_path(fused, window, chunk)
+        if self.decode_path == "torch":
+            log.info("decode steps run Model.forward: %s", self.decode_path_reason)
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
+
+    def _decode_path(self, fused: bool, window: int, chunk: int) -> tuple[str, str]:
+        """Which code runs a plain decode step ("fused", "cuda-kernels" or "torch") and, for torch,
+        why not a faster one (GetModelInfo reports both; the log says it at start)."""
+        if self.fused is not None:
+            return "fused", ""
+        if self.kernel_attention is not None:
+            return "cuda-kernels", ""
+        model = self.model
+        if model.torch_attention_why:
+            return "torch", model.torch_attention_why
+        if window or chunk:
+            return "torch", (f"attention window {window} / chunk {chunk}: neither the fused step nor the kernels "
+                             "mask keys")
+        if model.device.type == "cuda":
+            return "torch", (f"KV format {self.fmt.name} at head dim {model.cfg.head_dim}: the CUDA kernels do "
+                             "not serve it")
+        if not fused:
+            return "torch", "the fused step is turned off"
+        return "torch", FusedDecode.why_not(model, self.fmt) or ""
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each

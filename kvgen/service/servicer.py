@@ -176,19 +176,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         except Exception as e:
             await _abort(context, e)
         cfg = gen.cfg
-        # the attention layout, and which code runs a decode step (engine.ModelRunner's choice) and why not faster
-        from kvgen.engine.fused_decode import FusedDecode
-
         runner, model = gen.engine.runner, gen.model
-        path, why = ("fused", "") if runner.fused is not None else ("cuda-kernels", "") \
-            if runner.kernel_attention is not None else ("torch", model.torch_attention_why or (
-                f"attention window {runner.window} / chunk {runner.chunk}: neither the fused step nor the kernels "
-                "mask keys" if runner.window or runner.chunk else None) or (
-                f"KV format {runner.fmt.name} at head dim {cfg.head_dim}: the CUDA kernels do not serve it"
-                if model.device.type == "cuda" else FusedDecode.why_not(model, runner.fmt)) or "")
         layout = dict(layer_windows=[layer.window or runner.window for layer in model.layers],
                       attention_logit_softcap=cfg.attn_logit_softcap or 0.0,
-                      final_logit_softcap=cfg.final_logit_softcap or 0.0, decode_path=path, decode_path_reason=why)
+                      final_logit_softcap=cfg.final_logit_softcap or 0.0, decode_path=runner.decode_path,
+                      decode_path_reason=runner.decode_path_reason)
         return pb.GetModelInfoResponse(
             name=cfg.name, architecture=cfg.architecture, context_length=cfg.context_length,
             vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
