@@ -135,7 +135,9 @@ def _with_features(model: Model, seqs: list[list[int]]) -> list[tuple[torch.Tens
 def lm_weight(model: Model) -> torch.Tensor:
     """The LM head as an fp32 matrix [vocab, H]: the embeddings when tied (SmolLM2; with gguf
     weights the LM head runs on their blocks, whose dequantized values these are)."""
-    return model.embed.float() if model.cfg.tie_word_embeddings else model.lm_head.w.float()
+    if model.cfg.tie_word_embeddings:
+        return model.embed.to(torch.device("cpu"), torch.float32).table
+    return model.lm_head.w.float()
 
 
 def init_head(cfg, seed: int = 0) -> dict[str, torch.Tensor]:

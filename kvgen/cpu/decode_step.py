@@ -174,15 +174,14 @@ def _linear(parts, weights, x, y, room, sums, spare):  # pragma: no cover - comp
 
 
 @njit(cache=True, nogil=True)
-def step(tokens, positions, tables, kv, kvq, blocks, slot, kt, embed, ln1, ln2, norm, weights, table, head, widths,
+def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weights, table, head, widths,
          cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
-    """table [layers, 4, parts, FIELDS]: each layer's qkv, o, gate_up and down as rows of parts
-    (_linear); head [parts, FIELDS] the same for the lm head; widths: the four outputs' columns,
-    then the widest part that goes through the spare buffer (0: none does)."""
-    rows, hidden = tokens.shape[0], embed.shape[1]
-    h = np.empty((rows, hidden), np.float32)
-    for r in range(rows):
-        h[r] = embed[tokens[r]]
+    """h [rows, hidden]: the rows' token embeddings (the caller looks them up: a GGUF's table stays
+    quantized), the residual stream from then on (written over). table [layers, 4, parts, FIELDS]:
+    each layer's qkv, o, gate_up and down as rows of parts (_linear); head [parts, FIELDS] the same
+    for the lm head; widths: the four outputs' columns, then the widest part that goes through the
+    spare buffer (0: none does)."""
+    rows, hidden = h.shape[0], h.shape[1]
     x = np.empty((rows, hidden), np.float32)
     qkv_out = np.empty((rows, widths[0]), np.float32)
     att = np.empty((rows, heads * head_dim), np.float32)

@@ -165,7 +165,7 @@ class FusedDecode:
         cfg = model.cfg
         layers = model.layers
         self.cfg = cfg
-        self.embed = model.embed.contiguous().numpy()
+        self.embed = model.embed  # a TokenEmbedding: each step's rows looked up (dequantized) in __call__
         self.ln1 = np.stack([layer.ln1.w.numpy() for layer in layers])
         self.ln2 = np.stack([layer.ln2.w.numpy() for layer in layers])
         self.norm = model.norm.w.numpy()
@@ -243,7 +243,7 @@ class FusedDecode:
         if kvq is self._plain and _longest_run(rows) >= decode_step.TRANSPOSE_FROM:
             blocks, slot = paged_attention.blocks_read(tables, positions, kv.shape[3], kv.shape[0])
             kt = decode_step.aligned((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]))
-        decode_step.step(tokens, positions, tables, kv, kvq, blocks, slot, kt, self.embed, self.ln1, self.ln2,
+        decode_step.step(self.embed.rows(tokens), positions, tables, kv, kvq, blocks, slot, kt, self.ln1, self.ln2,
               self.norm, self.weights, self.table, self.head, self.widths, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
               need, logits, self._no_features if features is None else features)

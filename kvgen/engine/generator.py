@@ -32,6 +32,7 @@ from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.kv_samples import calibrate_format
+from kvgen.engine.kv.compress import make_compressor
 from kvgen.engine.lora import Adapter, AdapterStore
 from kvgen.engine.model import Model
 from kvgen.engine.options import EngineOptions
@@ -59,7 +60,8 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
     cfg, weights, src = model_files.load(path)
     tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
                  else TextTokenizer.from_folder(src["folder"]))
-    model = Model(cfg, weights, weight_dtype, device, blocks=src.get("blocks"))
+    model = Model(cfg, weights, weight_dtype, device, blocks=src.get("blocks"),
+                  embedding_rows=src.get("embedding_rows"))
     if weight_dtype != model.weight_dtype:
         log.info("WEIGHT_DTYPE=%s chose %s on %s", weight_dtype, model.weight_dtype, device)
     if kernels := kernel_path(model):
@@ -168,6 +170,9 @@ class Generator:
                              drafter=in_fresh_thread(_make_drafter, model, opts, model_path, draft_model),
                              speculate=opts.speculative != "off", draft_tokens=opts.speculative_tokens,
                              draft_max_batch=opts.speculative_max_batch)
+        kv.compressor = make_compressor(opts.kv_compress, opts.kv_compress_window, opts.kv_compress_ratio,
+                                        self.pool.fmt.name, attention_span=window or opts.attention_chunk,
+                                        kernels=self.engine.runner.kernel_attention is not None)
         self.grammars = Grammars(tokenizer.tok, cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask

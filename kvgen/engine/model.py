@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks, compile_kernels
 from kvgen.engine.attention import TORCH_ATTENTION, KernelAttention, KernelStep, Step, TorchAttention
+from kvgen.engine.embedding import TokenEmbedding
 from kvgen.engine.model_config import GEMMAS, ModelConfig, UnsupportedModel
 
 WEIGHT_DTYPES = ("auto", "fp32", "bf16", "int8", "int4", "gguf")
@@ -264,10 +265,11 @@ def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: Mappin
 
 class Model:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], weight_dtype: str = "fp32",
-                 device: str | torch.device = "cpu", blocks: Mapping | None = None):
+                 device: str | torch.device = "cpu", blocks: Mapping | None = None, embedding_rows=None):
         """blocks: a GGUF's quantized tensors (model_files.load's source["blocks"]), for weight dtype
-        gguf (or auto on the CPU). Each tensor is looked up in weights (and blocks) once at most:
-        model_files' mappings make it anew on every lookup."""
+        gguf (or auto on the CPU); embedding_rows: its quantized token embedding, read a row at a time
+        (source["embedding_rows"], a TokenEmbedding). Each tensor is looked up in weights (and blocks)
+        once at most: model_files' mappings make it anew on every lookup."""
         device = torch.device(device)
         weight_dtype = resolve_weight_dtype(weight_dtype, device, blocks)
         if device.type != "cpu":
@@ -279,8 +281,11 @@ class Model:
         # torch's packed int8/int4 CPU kernels are several times faster with bf16 inputs than fp32.
         self.act_dtype = torch.float32 if weight_dtype in ("fp32", "gguf") else torch.bfloat16
         act = self.act_dtype
-        embed = weights["model.embed_tokens.weight"]  # floats: the lookup (and the fused step) index it
-        self.embed = embed.to(act)
+        if weight_dtype == "gguf" and embedding_rows is not None:  # the file's rows, no float table
+            self.embed, embed = embedding_rows, None
+        else:
+            embed = weights["model.embed_tokens.weight"].to(act)  # floats, indexed
+            self.embed = TokenEmbedding.floats(embed)
         self.layers = [Layer(cfg, weights, i, weight_dtype, act, blocks) for i in range(cfg.num_layers)]
         self.norm = RMSNorm((weights["model.norm.weight"] + (1.0 if cfg.architecture in GEMMAS else 0.0)).to(act),
                             cfg.rms_norm_eps)
@@ -316,7 +321,8 @@ class Model:
         two (tied embeddings, a stack's views) once."""
         seen: set[int] = set()
         total = 0
-        arrays = [self.embed, self.norm.w, *(n.w for layer in self.layers for n in layer.norms())]
+        embed = self.embed.table if self.embed.table is not None else self.embed.raw  # (raw: the file's mapping)
+        arrays = [embed, self.norm.w, *(n.w for layer in self.layers for n in layer.norms())]
         for lin in [*(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                     self.lm_head]:
             for part in getattr(lin, "parts", [lin]):
@@ -346,7 +352,8 @@ class Model:
                 moved[id(t)] = (t, t.to(device))
             return moved[id(t)][1]
 
-        self.embed, self.rot, self.rot_local = move(self.embed), move(self.rot), move(self.rot_local)
+        self.embed = TokenEmbedding.floats(move(self.embed.table))  # (a quantized one stays on the CPU: gguf)
+        self.rot, self.rot_local = move(self.rot), move(self.rot_local)
         self.norm.to(move)
         for layer in self.layers:
             layer.to(move)

