@@ -22,7 +22,8 @@ Method
   q4 are also timed through Model.forward (the fused step turned off) to show what fusing buys.
 
 Run: `make bench-kv` (or .venv/bin/python bench/kv.py [--tokens N]); `--speed` measures only the
-decode speed and replaces that section of the results file.
+decode speed and replaces that section of the results file; `--compress` only KV_COMPRESS's
+methods (bench/kv_compress.py), likewise.
 """
 
 from __future__ import annotations
@@ -364,7 +365,24 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--speed", action="store_true", help="only the decode speed section (spliced into --out)")
     ap.add_argument("--speed-rounds", type=int, default=3)
+    ap.add_argument("--compress", action="store_true", help="only the KV_COMPRESS section (spliced into --out)")
+    ap.add_argument("--compress-new", type=int, default=32, help="greedy tokens at 2k for --compress")
+    ap.add_argument("--compress-long-new", type=int, default=32, help="greedy tokens at 8k for --compress")
     args = ap.parse_args()
+    if args.compress:
+        from bench import kv_compress
+        from kvgen.engine.generator import load_model
+        from kvgen.engine.model_files import embedded_model_path
+
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        model, tokenizer = load_model(embedded_model_path(), "fp32")
+        res = kv_compress.run(model, tokenizer, EVAL_TEXT, args.tokens, args.compress_new, 64,
+                              args.compress_long_new)
+        section = kv_compress.markdown(res)
+        old = args.out.read_text() if args.out.exists() else ""
+        args.out.write_text(kv_compress.splice(old, section))
+        print(section)
+        return
     if args.speed:
         torch.set_num_threads(len(os.sched_getaffinity(0)))
         section = speed_markdown(decode_speed(args.speed_rounds))

@@ -214,6 +214,7 @@ class Engine:
             self.scheduler.kv.advance(seq.cache, n, self._oldest_needed(seq.cache.length + n))
             if seq.shares_prompt:
                 self.scheduler.kv.index_prompt(seq.cache, seq.cache_salt, seq.prompt_ids, n)
+            self.scheduler.kv.compress(seq.cache)  # KV_COMPRESS: rows past its window pooled (kv/compress.py)
         self.steps += 1
         if self.on_step:  # before anything finishes: a request's last step belongs to its record
             self.on_step(batch, time.perf_counter() - t0)

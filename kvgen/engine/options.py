@@ -18,6 +18,11 @@ class EngineOptions:
     weight_dtype: str = setting("auto", "weight storage: auto (on the CPU a GGUF's own Q4/Q8 blocks, else fp32), "
                                         "gguf, fp32, bf16, int8 or int4")
     kv_dtype: str = setting("auto", "KV cache storage: auto (the activations' dtype), fp32, fp16, bf16, fp8, q4, q3")
+    kv_compress: str = setting("off", "compress older KV rows so long contexts take fewer blocks: off, mean (each "
+                                      "pair of rows older than KV_COMPRESS_WINDOW pooled) or sink-heavy (the first "
+                                      "rows and the rows likeliest to be attended kept); fp32/fp16/bf16, lossy")
+    kv_compress_window: int = setting(256, "KV_COMPRESS: the most recent tokens whose K/V stay exact")
+    kv_compress_ratio: float = setting(0.5, "KV_COMPRESS: rows kept per older row, 0.5 or 0.25")
     kv_cache_mb: float = setting(512.0, "memory for the KV block pool, MB")
     block_size: int = setting(16, "tokens per KV block")
     token_budget: int = setting(512, "tokens per engine step (decode tokens plus prefill chunks)")

@@ -9,8 +9,10 @@ KVCacheManager), so it takes no locks. A table moves through these states:
     share_prefix             a new request starts with the prefix cache's blocks of its prompt
     release                  a finished request: its full blocks join the prefix cache, every
                              block reference goes back
+    compress                 KV_COMPRESS: rows older than the recent window pooled or picked
+                             into fewer blocks (compress.py); never indexed in the prefix cache
     preempt                  the pool ran dry: the same, and the sequence is recomputed (from
-                             the prefix cache, mostly)
+                             the prefix cache, mostly; a compressed one from its tokens)
     park                     a session's turn ended: the blocks stay, and while the session is
                              idle they may be moved down to the warm / cold tiers (demoted)
     resume                   the session's next turn: keep the prefix it shares, bring tiered
@@ -52,6 +54,7 @@ class KVManager:
         """shift_keys(k, delta): keys re-rotated delta positions back (Model.shift_keys), for
         context shifts of plain formats; None: a shift recomputes what follows the kept head."""
         self.shift_keys = shift_keys
+        self.compressor = None  # KV_COMPRESS's KVCompressor (compress.py); None: off
         self.pool = pool
         self.tiers = tiers
         self.prefix = prefix  # None: no sharing across requests (PREFIX_CACHE=0, or a window)
@@ -112,13 +115,22 @@ class KVManager:
             if dropped:
                 self._emit("kv.drop", table, dropped, before=oldest_needed)
 
+    def compress(self, table: PagedKVCache) -> None:
+        """After a step: KV_COMPRESS pools or picks the rows now older than its window."""
+        if self.compressor is None or not self.compressor.due(table):
+            return
+        before = table.rows
+        freed = self.compressor.compress(table)
+        if freed:
+            self._emit("kv.compress", table, freed, rows_before=before, rows_after=table.rows, tokens=table.length)
+
     def index_prompt(self, table: PagedKVCache, salt: str, prompt: list[int], n: int) -> None:
         """After a step wrote n tokens of a running request: when they completed a block of its
         prompt, the prompt's blocks written so far join the prefix cache now, not at its end, so
         a request that arrives meanwhile starting the same way shares them (whole blocks of the
         prompt only: nothing writes into them again)."""
         bs, end = self.pool.block_size, table.length
-        if end - n < len(prompt) and end // bs > (end - n) // bs:
+        if end - n < len(prompt) and end // bs > (end - n) // bs and not table.compressed_to:
             self._index(table, salt, prompt)
 
     def truncate(self, table: PagedKVCache, n: int) -> None:
@@ -135,7 +147,7 @@ class KVManager:
         partly filled last block copied now, since both tables will write into it (copy on
         write, done at the fork). False (child left empty) when the pool has no block for the copy."""
         bs = self.pool.block_size
-        full, fill = divmod(table.length, bs)
+        full, fill = divmod(table.rows, bs)  # a compressed table's rows, shared as they are
         shared = table.blocks[:full]
         if any(b < 0 for b in shared):  # dropped behind a window or demoted: nothing to share
             return False
@@ -148,7 +160,7 @@ class KVManager:
             fmt, store, last = self.pool.fmt, self.pool.store, table.blocks[full]
             fmt.put_block(store, copy, fmt.take_block(store, last, fill), fill)
             child.blocks.append(copy)
-        child.length = table.length
+        child.length, child.removed, child.compressed_to = table.length, table.removed, table.compressed_to
         self._emit("kv.fork", child, list(child.blocks), tokens=child.length, copied=int(bool(fill)))
         return True
 
@@ -187,7 +199,7 @@ class KVManager:
         self._emit("kv.preempt", table, blocks, tokens=n)
 
     def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None, tail: bool = False) -> None:
-        if self.prefix is not None and tokens is not None and table.first == 0:
+        if self.prefix is not None and tokens is not None and table.first == 0 and not table.compressed_to:
             self.prefix.insert(salt, tokens, table, tail)
 
     # sessions
@@ -250,10 +262,12 @@ class KVManager:
     def _shift(self, table: PagedKVCache, keep_blocks: int, drop_blocks: int) -> bool:
         bs = self.pool.block_size
         if self.shift_keys is None or self.pool.fmt.name not in ("fp32", "fp16", "bf16") or table.first \
+                or table.compressed_to \
                 or self.tiers.parked(table) or (keep_blocks + drop_blocks) * bs > table.length \
                 or any(self.pool.refs(b) > 1 for b in table.blocks):
             # A quantized format (re-rotating would re-quantize), blocks out in the tiers or shared
-            # with the prefix cache: keep the head only, the rest is computed again.
+            # with the prefix cache, or compressed rows (their positions are not whole blocks): keep
+            # the head only (a compressed table: nothing), the rest is computed again.
             try:
                 self.tiers.truncate(table, keep_blocks * bs)  # parked blocks past it dropped, the rest back
             except PoolExhausted:
@@ -284,9 +298,9 @@ class KVManager:
         block alone (the prefix cache may share it, full, with other requests). With no block
         for the copy, the partial block's tokens are dropped and computed again."""
         bs = self.pool.block_size
-        full, fill = divmod(table.length, bs)
+        full, fill = divmod(table.rows, bs)
         if fill and self.pool.refs(table.blocks[full]) > 1 and not self._copy_block(table, full, fill):
-            self.truncate(table, full * bs)
+            self.truncate(table, table.length - fill)
 
     def _copy_block(self, table: PagedKVCache, index: int, fill: int) -> bool:
         """Give table a private copy of its block `index` (first `fill` tokens); False: no room."""

@@ -166,6 +166,8 @@ class PrefixCache:
         leaf that only _copy_rows reads (its key is shorter than a block, so no whole-block match
         finds it, and nothing is ever indexed below it): a chat client's next turn resends the
         reply whose end is in that block. Returns how many blocks were new to the tree."""
+        if table.compressed_to:  # its rows are pooled / picked (compress.py) from position 0: none is exact
+            return 0
         bs = self.block_size
         node = self._roots.setdefault(salt, _Node((), None, None))
         added, n = 0, min(table.length, len(tokens))

@@ -165,7 +165,7 @@ class AccessPolicy:
             stats = self._seen.get(cache, {})
             if id(cache) in skip:
                 continue
-            written = -(-cache.length // cache.pool.block_size)
+            written = -(-cache.rows // cache.pool.block_size)
             for i in range(written):
                 if cache.blocks[i] != HOLE:
                     last, count = stats.get(i, (0, 0))
@@ -221,10 +221,10 @@ class TieredKV:
 
     def _park(self, cache: PagedKVCache, index: int) -> _Parked:
         bs = self.pool.block_size
-        if not 0 <= index < -(-cache.length // bs):
-            raise ValueError(f"block {index} of a {cache.length}-token cache holds no tokens")
+        if not 0 <= index < -(-cache.rows // bs):
+            raise ValueError(f"block {index} of a {cache.rows}-row cache holds no tokens")
         block = cache.blocks[index]
-        fill = min(bs, cache.length - index * bs)
+        fill = min(bs, cache.rows - index * bs)
         tensors = self.codec.encode(self.pool.store, block, fill)
         p = _Parked(Tier.WARM, fill, tensors, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()])
         self._parked.setdefault(cache, {})[index] = p
@@ -286,12 +286,17 @@ class TieredKV:
         PoolExhausted (nothing dropped beyond new_len) when the pool is too short."""
         bs = self.pool.block_size
         new_len = max(0, min(new_len, cache.length))
+        if new_len < cache.compressed_to:  # cut inside compressed rows (compress.py): from the start
+            new_len = 0
+        rows = new_len - cache.removed if new_len else 0  # a compressed cache holds fewer rows than tokens
         parked = self._parked.get(cache, {})
-        for index in sorted(i for i, p in parked.items() if p.tier == Tier.COLD and i * bs < new_len):
+        for index in sorted(i for i, p in parked.items() if p.tier == Tier.COLD and i * bs < rows):
             if not self._cold_file_ok(parked[index]):
-                new_len = index * bs
+                rows = index * bs
+                new_len = rows + cache.removed if rows >= cache.compressed_to - cache.removed else 0
+                rows = rows if new_len else 0
                 break
-        keep = -(-new_len // bs)
+        keep = -(-rows // bs)
         for index in [i for i in parked if i >= keep]:
             self._drop(parked.pop(index))
         if not parked:

@@ -1,0 +1,213 @@
+"""KV_COMPRESS quality and memory (kvgen/engine/kv/compress.py), on the embedded SmolLM2-135M:
+the section "Compressed KV" of bench/results/kv.md (`python bench/kv.py --compress`).
+
+Everything runs Model.forward on the torch attention path over a real PagedKVCache that the
+engine's own KVCompressor compresses after every chunk, as the engine does after every step.
+- KV bytes per token: blocks held at the end / tokens, times the fp32 block's bytes.
+- Perplexity: teacher forcing over the bench's long text (kv_text.EVAL_TEXT) in chunks.
+- Greedy agreement: a prompt of 2k (the text) and 8k positions (the text four times: the
+  embedded model's context is 8192), greedy continuation with and without compression, the
+  length of the common prefix.
+- Proxy check: at the 2k prompt, the real attention of the last 32 prompt queries (SnapKV's
+  observation window), recorded on the torch path, against the rows sink-heavy keeps: the share of
+  that attention which falls on the kept rows of each compressed chunk, next to what the best
+  possible half (the real top rows) and every other row (a blind half, as mean pooling's grid) hold.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+
+from kvgen.engine.attention import Step, TorchAttention
+from kvgen.engine.kv.compress import CHUNK_BLOCKS, KVCompressor
+from kvgen.engine.kv.formats import make_format
+from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.engine.kv.pool import BlockPool
+
+HEADING = "## Compressed KV (KV_COMPRESS)"
+BLOCK = 16
+WINDOW = 256
+METHODS = [("off", 0.5), ("mean", 0.5), ("sink-heavy", 0.5), ("sink-heavy", 0.25)]
+
+
+def _table(model, tokens: int) -> PagedKVCache:
+    cfg = model.cfg
+    fmt = make_format("fp32", cfg.num_layers, BLOCK, cfg.num_kv_heads, cfg.head_dim, compute_dtype=model.act_dtype)
+    return PagedKVCache(BlockPool(fmt, -(-tokens // BLOCK) + 4))
+
+
+def _step(table: PagedKVCache, n: int, all_rows: bool) -> Step:
+    """The step ModelRunner._forward builds for one sequence of n new tokens."""
+    start = table.length
+    blocks, offsets = table.slots(start, n)
+    return Step(positions=torch.arange(start, start + n), write_blocks=blocks, write_offsets=offsets,
+                query_lens=[n], context_lens=[start + n], block_tables=torch.tensor([table.live_blocks]),
+                logits_rows=torch.arange(n) if all_rows else torch.tensor([n - 1]), is_decode=n == 1,
+                kv_starts=[table.kv_start] if table.kv_start else None)
+
+
+def _feed(model, table, comp, ids: torch.Tensor, all_rows: bool, backend=None) -> torch.Tensor:
+    table.reserve(len(ids))
+    logits = model.forward(ids, _step(table, len(ids), all_rows), table.pool.fmt, table.pool.store,
+                           *(() if backend is None else (backend,)))
+    table.advance(len(ids))
+    if comp is not None and comp.due(table):
+        comp.compress(table)
+    return logits
+
+
+def _compressor(method: str, ratio: float) -> KVCompressor | None:
+    return None if method == "off" else KVCompressor(method, WINDOW, ratio)
+
+
+def perplexity(model, ids: list[int], method: str, ratio: float, chunk: int) -> tuple[float, float]:
+    """(perplexity, fp32 KV bytes per token held at the end)."""
+    table, comp = _table(model, len(ids)), _compressor(method, ratio)
+    x = torch.tensor(ids)
+    nll = 0.0
+    for start in range(0, len(ids) - 1, chunk):
+        end = min(start + chunk, len(ids) - 1)
+        logits = _feed(model, table, comp, x[start:end], True)
+        nll += F.cross_entropy(logits, x[start + 1:end + 1], reduction="sum").item()
+    bpt = -(-table.rows // BLOCK) * table.pool.fmt.bytes_per_block() / table.length
+    return math.exp(nll / (len(ids) - 1)), bpt
+
+
+def greedy(model, prompt: list[int], method: str, ratio: float, new: int, chunk: int) -> tuple[list[int], float]:
+    """(greedy continuation, fp32 KV bytes per token held at the end)."""
+    table, comp = _table(model, len(prompt) + new), _compressor(method, ratio)
+    x = torch.tensor(prompt)
+    for start in range(0, len(prompt), chunk):
+        logits = _feed(model, table, comp, x[start:start + chunk], False)
+    out = [int(logits[-1].argmax())]
+    for _ in range(new - 1):
+        out.append(int(_feed(model, table, comp, torch.tensor(out[-1:]), False)[-1].argmax()))
+    bpt = -(-table.rows // BLOCK) * table.pool.fmt.bytes_per_block() / table.length
+    return out, bpt
+
+
+class Recorder(TorchAttention):
+    """The torch attention, which also keeps the last `last` queries' softmax over every key
+    (layer -> [heads, keys]): the real scores SnapKV selects by."""
+
+    def __init__(self, last: int):
+        self.last, self.scores = last, {}
+
+    def write_and_attend(self, fmt, store, layer, q, k, v, step):
+        out = super().write_and_attend(fmt, store, layer, q, k, v, step)
+        keys, _ = fmt.read(store, layer, step.block_tables[0])
+        n = step.context_lens[0]
+        keys = keys.reshape(-1, *keys.shape[2:])[:n].float()  # [n, KVH, D]
+        qs = q[-self.last:].float()  # [last, H, D]
+        group = qs.shape[1] // keys.shape[1]
+        kk = keys.repeat_interleave(group, dim=1)  # [n, H, D]
+        s = torch.einsum("qhd,nhd->hqn", qs, kk) / math.sqrt(qs.shape[-1])
+        pos = step.positions[-self.last:]
+        s = s.masked_fill(torch.arange(n)[None, None, :] > pos[None, :, None], float("-inf"))
+        self.scores[layer] = torch.softmax(s, -1).mean(1)  # [H, n]: mean over the observation queries
+        return out
+
+
+def proxy_check(model, ids: list[int]) -> dict:
+    """Share of the real attention of the last 32 queries (per layer and query head, grouped to
+    KV heads) on the rows sink-heavy keeps of each 64-row chunk before the window, vs the real top
+    half and a blind half (every other row)."""
+    table = _table(model, len(ids))
+    rec = Recorder(32)
+    table.reserve(len(ids))
+    model.forward(torch.tensor(ids), _step(table, len(ids), False), table.pool.fmt, table.pool.store, rec)
+    table.advance(len(ids))
+    fmt, chunk = table.pool.fmt, CHUNK_BLOCKS * BLOCK
+    end = (len(ids) - WINDOW) // chunk * chunk
+    kept = best = blind = 0.0
+    total = 0.0
+    for layer in range(model.cfg.num_layers):
+        k, _ = fmt.read(table.pool.store, layer, torch.tensor(table.blocks))
+        k = k.reshape(-1, *k.shape[2:])
+        a = rec.scores[layer]  # [H, n]
+        kvh = k.shape[1]
+        a = a.reshape(kvh, -1, a.shape[-1]).sum(1)  # [KVH, n]: the group's attention per KV head
+        for at in range(0, end, chunk):
+            part, att = k[at:at + chunk], a[:, at:at + chunk]  # [64, KVH, D], [KVH, 64]
+            score = -part.float().norm(dim=-1)
+            if at == 0:
+                score[:4] = float("inf")
+            pick = score.topk(chunk // 2, dim=0).indices  # [32, KVH]
+            kept += att.gather(1, pick.T).sum().item()
+            best += att.topk(chunk // 2, dim=1).values.sum().item()
+            blind += att[:, 1::2].sum().item()
+            total += att.sum().item()
+    return {"kept": kept / total, "best": best / total, "blind": blind / total, "rows": end, "tokens": len(ids)}
+
+
+def run(model, tokenizer, text: str, tokens: int | None, new: int, chunk: int, long_new: int) -> dict:
+    ids = tokenizer.encode(text)
+    ppl_ids = ids[:tokens]
+    long_ids = (ids * 4)[:8192 - long_new]
+    rows, ref = [], {}
+    t0 = time.perf_counter()
+    for method, ratio in METHODS:
+        t = time.perf_counter()
+        ppl, bpt = perplexity(model, ppl_ids, method, ratio, chunk)
+        g2, bpt2 = greedy(model, ids[:2048 - new], method, ratio, new, 256)
+        g8, bpt8 = greedy(model, long_ids, method, ratio, long_new, 512)
+        if method == "off":
+            ref = {"ppl": ppl, "g2": g2, "g8": g8}
+        rows.append({"method": method, "ratio": ratio, "ppl": ppl, "rel": ppl / ref["ppl"] - 1, "bpt": bpt,
+                     "bpt2": bpt2, "bpt8": bpt8, "agree2": _agree(g2, ref["g2"]), "agree8": _agree(g8, ref["g8"]),
+                     "s": time.perf_counter() - t})
+        print(rows[-1], flush=True)
+    proxy = proxy_check(model, ids[:2048])
+    print(proxy, flush=True)
+    return {"rows": rows, "proxy": proxy, "tokens": len(ppl_ids), "new": new, "long_new": long_new,
+            "long": len(long_ids), "chunk": chunk, "seconds": time.perf_counter() - t0}
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def markdown(res: dict) -> str:
+    p = res["proxy"]
+    out = [HEADING, "",
+           f"`python bench/kv.py --compress`: the embedded SmolLM2-135M, fp32 weights and KV, torch attention "
+           f"(Model.forward over a PagedKVCache the engine's KVCompressor compresses after every chunk), "
+           f"KV_COMPRESS_WINDOW={WINDOW}, blocks of {BLOCK}, {CHUNK_BLOCKS}-block chunks. Perplexity: "
+           f"{res['tokens']} tokens of bench/kv_text.py teacher-forced in chunks of {res['chunk']}. Greedy: "
+           f"the longest common prefix with the uncompressed cache's continuation, {res['new']} new tokens "
+           f"after a {2048 - res['new']}-token prompt (to 2k positions) and {res['long_new']} after a "
+           f"{res['long']}-token one (the text four times, to 8k positions). One run, one prompt each: "
+           f"a short run on a shared 2-core machine ({res['seconds']:.0f} s). Bytes per token: fp32 blocks "
+           "held at the end / tokens, all layers (the fp32 rows above are per layer: x 30 layers).", "",
+           "| method | rows kept | KV bytes/token at 2k | at 8k | vs off (8k) | perplexity | vs off "
+           "| greedy prefix at 2k | at 8k |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    off = res["rows"][0]
+    for r in res["rows"]:
+        kept = "all" if r["method"] == "off" else f"{r['ratio']:g}"
+        out.append(f"| {r['method']} | {kept} | {r['bpt2']:,.0f} | {r['bpt8']:,.0f} | {r['bpt8'] / off['bpt8']:.2f}x "
+                   f"| {r['ppl']:.4f} | {r['rel']:+.2%} | {r['agree2']} of {res['new']} "
+                   f"| {r['agree8']} of {res['long_new']} |")
+    out += ["", f"Sink-heavy's proxy against the real scores: of the attention the last 32 queries of a "
+                f"{p['tokens']}-token prompt give the {p['rows']} rows before the window (torch path, every "
+                f"layer and KV head, per 64-row chunk), the rows it keeps (lowest key norm, plus 4 sinks) hold "
+                f"{p['kept']:.1%}; the real top half would hold {p['best']:.1%}, a blind half (every other row) "
+                f"{p['blind']:.1%}.", ""]
+    return "\n".join(out)
+
+
+def splice(text: str, section: str) -> str:
+    """text with the compressed-KV section replaced (inserted before the speed section when absent)."""
+    start = text.find(HEADING)
+    if start < 0:
+        at = text.find("\n## Decode speed")
+        return text + "\n" + section if at < 0 else text[:at + 1] + section + "\n" + text[at + 1:]
+    end = text.find("\n## ", start + len(HEADING))
+    return text[:start] + section + (text[end:] if end >= 0 else "")

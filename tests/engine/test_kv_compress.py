@@ -1,0 +1,259 @@
+"""KV_COMPRESS (kvgen/engine/kv/compress.py) on a tiny real model through the whole engine: rows
+older than the window are pooled (mean) or picked (sink-heavy) into fewer blocks; the prefix cache
+only ever shares exact blocks; sessions, tiers, preemption and cancellation keep working; with
+compression off (or never due) the output is what it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvgen.engine.generator import EngineOptions, Generator
+from kvgen.engine.kv.compress import CHUNK_BLOCKS, SINKS
+from kvgen.engine.model import Model
+from kvgen.engine.sampling import SamplingParams
+from kvgen.engine.tokenizer import TextTokenizer
+from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights
+
+BS = 16
+WINDOW = 64
+TEXT = "the cat sat on a mat and then the dog ran to the cat while it sat on the mat again "
+
+
+def _model(context: int = 1024):
+    tok = TextTokenizer(tiny_bpe_tokenizer(300), CHATML_TEMPLATE, bos_id=None, add_bos=False,
+                        special_ids={0, 1, 2}, eos_token="<|im_end|>")
+    cfg = tiny_config(vocab=300, layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, context=context)
+    return Model(cfg, tiny_weights(cfg, seed=23)), tok
+
+
+MODEL, TOK = _model()
+PROMPT = TOK.encode(TEXT * 12)[:400]
+
+
+def greedy(n: int = 16, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def _gen(method: str = "off", **kw) -> Generator:
+    opts = dict(kv_dtype="fp32", kv_compress=method, kv_compress_window=WINDOW)
+    opts.update(kw)
+    return Generator(MODEL, TOK, EngineOptions(**opts))
+
+
+def _rows(gen: Generator, blocks: list[int], n: int, layer: int = 0) -> torch.Tensor:
+    """Layer `layer`'s K/V of the first n rows held in `blocks`: [2, n, kv heads, head dim]."""
+    x = gen.pool.store["kv"][torch.tensor(blocks)][:, layer]  # [blocks, 2, BS, KVH, HD]
+    return x.permute(1, 0, 2, 3, 4).reshape(2, -1, *x.shape[-2:])[:, :n].clone()
+
+
+def _exact_kv(ids: list[int]) -> torch.Tensor:
+    """Layer 0's K/V of ids from an uncompressed prefill: [2, len(ids), kv heads, head dim]."""
+    gen = _gen(prefix_cache=False)
+    try:
+        s = gen.new_session()
+        s.generate(ids, greedy(1))
+        return _rows(gen, s.cache.blocks, len(ids))
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("method", ["mean", "sink-heavy"])
+def test_each_method_holds_fewer_blocks_per_token(method):
+    """A 400-token prompt + 16 tokens: everything older than the 64-token window, in whole chunks
+    of 4 blocks, is held in half the rows; the window stays exact."""
+    gen = _gen(method, prefix_cache=False)
+    try:
+        s = gen.new_session()
+        s.generate(PROMPT, greedy())
+        c = s.cache
+        n = c.length
+        assert n == len(PROMPT) + 15  # the last token is not cached yet
+        chunk = CHUNK_BLOCKS * BS
+        assert c.compressed_to == (n - WINDOW) // chunk * chunk == 320
+        assert c.removed == c.compressed_to // 2 and c.rows == n - 160
+        held = len([b for b in c.blocks if b >= 0])
+        assert held == -(-c.rows // BS) == 16  # uncompressed: 26 blocks
+        assert held / n < 0.65 * -(-n // BS) / n
+        # layer 0's K/V do not depend on attention: the compressed rows are exactly the method's
+        # rows of an uncompressed prefill's, and the rows after them are the uncompressed rows
+        exact = _exact_kv(s.tokens[:n])
+        got = _rows(gen, c.blocks, c.rows)
+        old = exact[:, :c.compressed_to]
+        if method == "mean":
+            want = old.reshape(2, -1, 2, *old.shape[-2:]).mean(2)
+            torch.testing.assert_close(got[:, :160], want, rtol=1e-5, atol=1e-6)
+        else:
+            for chunk_at in range(0, c.compressed_to, chunk):
+                part, kept = old[:, chunk_at:chunk_at + chunk], got[:, chunk_at // 2:(chunk_at + chunk) // 2]
+                norms = part[0].norm(dim=-1)  # [64, KVH]
+                for h in range(part.shape[2]):
+                    rows = [(part[0, :, h] - kept[0, j, h]).abs().sum(-1).argmin().item() for j in range(32)]
+                    torch.testing.assert_close(kept[:, :, h], part[:, rows, h])  # rows of the chunk, unchanged
+                    assert rows == sorted(rows) and len(set(rows)) == 32
+                    must = list(range(SINKS)) if chunk_at == 0 else []
+                    assert all(r in rows for r in must)  # the attention sinks
+                    rest = [r for r in range(chunk) if r not in rows]
+                    free = [r for r in rows if r not in must]
+                    assert norms[free, h].max() <= norms[rest, h].min()  # the lowest key norms
+        torch.testing.assert_close(got[:, 160:], exact[:, c.compressed_to:])
+    finally:
+        gen.close()
+
+
+def test_off_and_never_due_are_todays_output():
+    """Compression off, and compression on with a window longer than the sequence (never due),
+    give the same greedy tokens and logprobs as each other, and touch nothing."""
+    params = greedy(24, logprobs=3)
+    outs = []
+    for method, window in (("off", WINDOW), ("mean", 4096), ("sink-heavy", 4096)):
+        gen = _gen(method, kv_compress_window=window)
+        try:
+            s = gen.new_session()
+            outs.append(s.generate(PROMPT, params))
+            assert s.cache.removed == 0 and s.cache.rows == s.cache.length
+        finally:
+            gen.close()
+    for out in outs[1:]:
+        assert out.token_ids == outs[0].token_ids
+        assert [a.top for a in out.logprobs] == [b.top for b in outs[0].logprobs]
+
+
+def test_a_compressed_sequence_generates_what_it_attends_to():
+    """The compressed rows are read: a compressed request's logits differ from the uncompressed
+    one's (and mean differs from sink-heavy), its tokens are all there."""
+    lps = {}
+    for method in ("off", "mean", "sink-heavy"):
+        gen = _gen(method, prefix_cache=False)
+        try:
+            out = gen.generate(PROMPT, greedy(8, logprobs=3))
+            assert len(out.token_ids) == 8
+            lps[method] = torch.tensor([[x for _, x in a.top] for a in out.logprobs])
+        finally:
+            gen.close()
+    assert not torch.equal(lps["off"], lps["mean"]) and not torch.equal(lps["mean"], lps["sink-heavy"])
+
+
+@pytest.mark.parametrize("method", ["mean", "sink-heavy"])
+def test_the_prefix_cache_never_shares_a_compressed_block(method):
+    """A long request indexes its prompt blocks while they are exact, then compresses into blocks
+    of its own: a second request with the same prompt shares only exact blocks (equal to an
+    uncompressed prefill's, every layer), none of the compressed ones."""
+    gen = _gen(method)
+    events = []
+    gen.scheduler.kv.listen(lambda ev: events.append((ev.name, list(ev.blocks or []), dict(ev.attrs))))
+    try:
+        gen.generate(PROMPT, greedy())
+        assert any(name == "kv.compress" and attrs["rows_after"] < attrs["rows_before"] for name, _, attrs in events)
+        events.clear()
+        second = gen.generate(PROMPT, greedy())
+        hits = [blocks for name, blocks, _ in events if name == "kv.prefix_hit"]
+        assert hits and second.usage.cached_tokens >= 384
+        shared = hits[0][:24]  # the whole blocks before the prompt's last token, which the request computes
+        # every shared block holds a fresh, uncompressed prefill's K/V of its tokens, every layer
+        ref = _gen(prefix_cache=False)
+        try:
+            s = ref.new_session()
+            s.generate(PROMPT, greedy(1))
+            for layer in range(MODEL.cfg.num_layers):
+                torch.testing.assert_close(_rows(gen, shared, len(shared) * BS, layer),
+                                           _rows(ref, s.cache.blocks, len(shared) * BS, layer), rtol=0, atol=0)
+        finally:
+            ref.close()
+    finally:
+        gen.close()
+
+
+def test_a_compressed_table_is_never_indexed():
+    from kvgen.engine.kv.prefix import PrefixCache
+
+    gen = _gen("mean")
+    try:
+        s = gen.new_session()
+        s.generate(PROMPT, greedy())
+        assert s.cache.compressed_to
+        prefix: PrefixCache = gen.scheduler.kv.prefix
+        assert prefix.insert("other salt", s.tokens, s.cache) == 0
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("method", ["mean", "sink-heavy"])
+def test_a_compressed_session_keeps_its_rows_turn_after_turn(method):
+    """Each turn reuses the whole compressed history (cached_tokens = the history), compresses
+    what left the window, and a session whose blocks went to the warm tier between turns gives
+    the same tokens as one whose blocks stayed."""
+    outs = []
+    for demote in (False, True):
+        gen = _gen(method, prefix_cache=False)
+        try:
+            s = gen.new_session()
+            turns, last = [], 0
+            for turn in range(4):
+                if demote and s.cache.length:
+                    for i in range(-(-s.cache.rows // BS)):
+                        gen.tiers.demote(s.cache, i)
+                    assert gen.tiers.parked(s.cache)
+                out = s.generate(PROMPT[:150] if turn == 0 else TOK.encode(f" turn {turn} ") + PROMPT[:100],
+                                 greedy())
+                assert out.usage.cached_tokens == last  # the history's rows were all kept
+                last = s.cache.length
+                assert s.cache.compressed_to >= s.cache.length - WINDOW - CHUNK_BLOCKS * BS
+                turns.append(out.token_ids)
+            assert s.cache.rows < s.cache.length - 200
+            assert not gen.tiers.parked(s.cache)
+            outs.append(turns)
+        finally:
+            gen.close()
+    assert outs[0] == outs[1]
+
+
+def test_a_preempted_compressed_sequence_recomputes_and_blocks_come_back():
+    """Two long requests in a pool too small for both: one is preempted (its compressed rows go
+    back, it is recomputed from its tokens and compressed again) and both finish; then, and after
+    a cancellation midway, every block is back in the pool."""
+    gen = _gen("mean", prefix_cache=False, kv_cache_mb=0.625, token_budget=128)  # 40 blocks
+    try:
+        # each needs 40 blocks uncompressed, ~24 compressed at its end: together they do not fit
+        outs = gen.bridge.run(_both(gen, [PROMPT, list(reversed(PROMPT))], greedy(230)))
+        assert all(len(o.token_ids) == 230 for o in outs)
+        assert gen.scheduler.preemptions > 0
+        assert gen.pool.used == 0
+        stream = gen.generate_stream(PROMPT, greedy(230))
+        for i, _ in enumerate(stream):
+            if i == 5:
+                break
+        stream.close()
+        gen.bridge.run(_quiet(gen))
+        assert gen.pool.used == 0
+    finally:
+        gen.close()
+
+
+async def _both(gen, prompts, params):
+    import asyncio
+
+    reqs = [gen.submit(p, params) for p in prompts]
+    return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
+
+
+async def _ready(req):
+    return req
+
+
+async def _quiet(gen):
+    import asyncio
+
+    for _ in range(500):
+        if gen.engine.idle and gen.pool.used == 0:
+            return
+        await asyncio.sleep(0.01)
+
+
+def test_what_it_cannot_serve_is_refused_at_start():
+    with pytest.raises(ValueError, match="KV_DTYPE"):
+        _gen("mean", kv_dtype="q4")
+    with pytest.raises(ValueError, match="sliding window"):
+        _gen("mean", attention_window=128)
+    with pytest.raises(ValueError, match="expected one of"):
+        _gen("h2o")
