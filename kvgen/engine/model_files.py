@@ -172,7 +172,10 @@ def _load_gguf(path: str):
         if t.tensor_type.name in BLOCK_TYPES:
             blocks[name] = partial(_gguf_blocks, t, heads)
             if name == "model.embed_tokens.weight":  # looked up a row at a time, in the file's encoding
-                embedding_rows = TokenEmbedding.quantized(t.data, t.tensor_type, int(t.shape[0]))
+                # a mapping of its own bytes, so that the reader's mapping of the whole file (whose
+                # pages the blocks' parsing touched) goes when the reader does
+                rows = np.memmap(path, np.uint8, "r", offset=t.data_offset, shape=t.data.shape)
+                embedding_rows = TokenEmbedding.quantized(rows, t.tensor_type, int(t.shape[0]))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
     n_layers = int(_field(reader, p + "block_count"))

@@ -30,7 +30,7 @@ def test_rows_are_the_dequantized_tables_rows(table):
     assert emb.rows(np.zeros(0, np.int64)).shape == (0, 576)
     with pytest.raises(IndexError, match="outside"):
         emb.rows([49152])
-    # the rows are the mapped file's: nothing of the table is copied
+    # the rows are the given (mapped) bytes: nothing of the table is copied
     assert emb.raw is table.data and emb.nbytes == table.data.nbytes
 
 
