@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -224,13 +225,26 @@ def _gguf_tensor(t, heads: int) -> torch.Tensor:
     data = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
     if np.may_share_memory(data, t.data):  # F32: a view of the read-only memory map
         data = data.copy()
+    _drop_pages(t)
     w = torch.from_numpy(data.reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
     return _unpermute(w, heads) if heads else w
+
+
+def _drop_pages(t) -> None:
+    """Unmap the file pages of a tensor just read: the kernels keep their own layout of it, and the
+    pages touched stay counted in the process's RSS while the reader's mapping lives (a 1 GB file's
+    whole size at the end of a load; they stay in the page cache). Read-only shared mapping: a page
+    touched again is read again, never lost."""
+    mm = getattr(t.data, "_mmap", None) or getattr(getattr(t.data, "base", None), "_mmap", None)
+    start = t.data_offset - t.data_offset % mmap.PAGESIZE
+    if isinstance(mm, mmap.mmap) and hasattr(mm, "madvise"):
+        mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
 def _gguf_blocks(t, heads: int) -> WeightBlocks:
     """One GGUF tensor's blocks (rows un-permuted where heads): integer codes, no floats."""
     b = WeightBlocks.from_gguf(t.tensor_type.name, t.data)
+    _drop_pages(t)
     return b.map_rows(lambda x: _unpermute(x, heads)) if heads else b
 
 
