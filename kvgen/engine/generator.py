@@ -26,13 +26,13 @@ from kvgen.engine import model_files
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
+from kvgen.engine.kv.compress import make_compressor
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.kv_samples import calibrate_format
-from kvgen.engine.kv.compress import make_compressor
 from kvgen.engine.lora import Adapter, AdapterStore
 from kvgen.engine.model import Model
 from kvgen.engine.options import EngineOptions
