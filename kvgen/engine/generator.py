@@ -33,7 +33,7 @@ from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.kv_samples import calibrate_format
-from kvgen.engine.lora import Adapter, AdapterStore
+from kvgen.engine.lora import Adapter, AdapterInUse, AdapterStore, load_adapter
 from kvgen.engine.model import Model
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.request import Prompt, Request
@@ -133,6 +133,18 @@ def _salt(cache_salt: str, adapter: Adapter | None) -> str:
     """The prefix cache's key for a request: K/V computed under one adapter is not another's (nor the
     base model's), so the adapter's name and load are part of the salt (after a separator no id holds)."""
     return cache_salt if adapter is None else f"{cache_salt}\x1flora:{adapter.name}#{adapter.serial}"
+
+
+def _releasing(store: AdapterStore, adapter: Adapter, on_release):
+    """seq.on_release that also lets go of the request's hold on its adapter (once, whoever calls)."""
+    done = threading.Lock()
+
+    def release() -> None:
+        if done.acquire(blocking=False):
+            store.release(adapter)
+        on_release()
+
+    return release
 
 
 def _window(opts: EngineOptions, cfg) -> int:
@@ -268,6 +280,40 @@ class Generator:
             raise NotFound(f"LoRA adapter {name[:128]!r} is not loaded (loaded: {loaded})")
         return found
 
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Load a LoRA adapter at run time: the name and a MAX_LORAS slot are taken at once
+        (AdapterExists, TooManyAdapters), the files read and checked in a worker thread (AdapterError),
+        then the adapter is published; requests may name it from then on."""
+        self.adapters.reserve(name, path)
+        try:
+            adapter = await asyncio.to_thread(load_adapter, name, path, self.model, self.adapters.max_rank)
+        except BaseException:
+            self.adapters.unreserve(name)
+            raise
+        self.adapters.publish(adapter)
+        log.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, adapter.rank, ", ".join(adapter.targets))
+        return adapter
+
+    async def unload_adapter(self, name: str, timeout_s: float) -> Adapter:
+        """Unload a LoRA adapter: from the call on, requests naming it (and its sessions' turns) are
+        NOT_FOUND; the requests running with it finish first. If some still run after timeout_s, the
+        unload gives up (AdapterInUse) and the adapter serves again. Its prefix-cache blocks are keyed
+        by this load's serial: a later load of the same name never meets them."""
+        adapter = self.adapters.withdraw(name)
+        if adapter is None:
+            loaded = ", ".join(self.adapters.names()) or "none"
+            raise NotFound(f"LoRA adapter {name[:128]!r} is not loaded (loaded: {loaded})")
+        deadline = time.monotonic() + timeout_s
+        while adapter.active > 0:
+            if time.monotonic() >= deadline:
+                self.adapters.restore(adapter)
+                raise AdapterInUse(f"LoRA adapter {name[:128]!r}: {adapter.active} requests still run with it after "
+                                   f"{timeout_s:g} s; it stays loaded (cancel them, or unload again later)")
+            await asyncio.sleep(0.01)
+        self.adapters.forget(adapter)
+        log.info("LoRA adapter %r unloaded", name)
+        return adapter
+
     async def compile(self, sampling: SamplingParams | None) -> None:
         """Compile the request's constraint, if any, off the event loop when it is not cached
         (raises InvalidRequest for one the grammar engine rejects)."""
@@ -284,11 +330,16 @@ class Generator:
         first = self.submit(ids, replace(params, n=1), request_id, cache_salt=cache_salt, adapter=adapter,
                             _held=True)
         reqs = [first]
-        for i in range(1, params.n):
-            seed = None if params.seed is None else (params.seed + i) % 2**64
-            reqs.append(self.submit(ids, replace(params, n=1, seed=seed), request_id, cache_salt=cache_salt,
-                                    adapter=adapter, _fork_of=first))
-        self.engine.submit(first.seq)
+        try:
+            for i in range(1, params.n):
+                seed = None if params.seed is None else (params.seed + i) % 2**64
+                reqs.append(self.submit(ids, replace(params, n=1, seed=seed), request_id, cache_salt=cache_salt,
+                                        adapter=adapter, _fork_of=first))
+            self.engine.submit(first.seq)
+        except BaseException:  # refused (MAX_WAITING, an adapter unloaded): the engine never held any of them
+            for r in reqs:
+                r.seq.on_release()
+            raise
         return reqs
 
     def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
@@ -312,20 +363,27 @@ class Generator:
         if params.prompt_logprobs is not None:
             keep = 0  # every prompt position is computed again, for its logits
         req = Request(self.options.stream_buffer)
+        on_release = req.on_release
+        if lora is not None:  # counted until the engine lets the request go: an unload waits for that
+            if not self.adapters.acquire(lora):
+                raise NotFound(f"LoRA adapter {lora.name[:128]!r} is not loaded (it is being unloaded or was)")
+            on_release = _releasing(self.adapters, lora, req.on_release)
         table = session.cache if session else self.scheduler.kv.new_table()
         seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, req.deliver, table,
                        request_id or uuid.uuid4().hex, keep_kv=session is not None,
-                       resume_from=keep if session else None, on_release=req.on_release,
+                       resume_from=keep if session else None, on_release=on_release,
                        cache_salt=_salt(cache_salt, lora), matcher=matcher, adapter=lora)
-        if lora is not None:
-            lora.requests += 1
         seq.shift = shift
         req.bind(seq, lambda: self.engine.cancel(seq))
         if _fork_of is not None:
             seq.index = len(_fork_of.seq.forks) + 1
             _fork_of.seq.forks.append(seq)  # the engine sees it through the first sample
         elif not _held:
-            self.engine.submit(seq)
+            try:
+                self.engine.submit(seq)
+            except BaseException:  # refused (MAX_WAITING): the engine never held it
+                on_release()
+                raise
         return req
 
     @staticmethod

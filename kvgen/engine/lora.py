@@ -22,9 +22,11 @@ import itertools
 import json
 import math
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvgen.engine.model import Model, interleave
@@ -95,19 +97,64 @@ class Adapter:
     targets: list[str]  # PEFT module names it adapts, sorted
     layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = field(repr=False)
     requests: int = 0  # requests submitted with it (GetLoad, metrics)
+    active: int = 0  # requests the engine holds with it now (an unload waits for none)
     serial: int = field(default_factory=lambda: next(_serials))  # this load (part of the prefix cache's key)
 
 
 def load_adapter(name: str, path: str, model: Model, max_rank: int) -> Adapter:
-    """Read a PEFT LoRA folder and check it against the model; AdapterError names what is wrong."""
-    folder = Path(path)
+    """Read a PEFT LoRA folder or a llama.cpp GGUF LoRA file and check it against the model;
+    AdapterError names what is wrong. Reads files only: callers run it off their event loop."""
+    where = Path(path)
 
     def bad(what: str) -> AdapterError:
         return AdapterError(name, path, what)
 
-    if not folder.is_dir():
-        raise bad("not a folder (a PEFT adapter is a folder with adapter_config.json and "
-                  "adapter_model.safetensors)")
+    if where.is_file():
+        pairs = _read_gguf(where, model, bad)
+    elif where.is_dir():
+        pairs = _read_peft(where, model, bad)
+    else:
+        raise bad("not a folder nor a file (a PEFT adapter is a folder with adapter_config.json and "
+                  "adapter_model.safetensors; llama.cpp's, a .gguf file from convert_lora_to_gguf.py)")
+    if not pairs:
+        raise bad("the file holds no LoRA weights")
+    parts = model_parts(model)
+    grouped: list[dict[str, list]] = [{} for _ in model.layers]
+    top = 0
+    for (layer, module), (a, b, scale_of) in sorted(pairs.items()):
+        where_ = f"layer {layer} {module}"
+        part = parts[module]
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
+            raise bad(f"{where_}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not [r, in] and [out, r]")
+        r = a.shape[0]
+        if a.shape[1] != part.in_features or b.shape[0] != part.rows:
+            raise bad(f"{where_}: lora_A {list(a.shape)}, lora_B {list(b.shape)} do not fit the base model's "
+                      f"{module} ({part.rows} x {part.in_features}): an adapter of another model")
+        if r > max_rank:
+            raise bad(f"{where_} has rank {r}, over MAX_LORA_RANK={max_rank}")
+        scale = scale_of(r)  # raises AdapterError where the file's own rank disagrees
+        top = max(top, r)
+        grouped[layer].setdefault(part.linear, []).append((part, a.float(), b.float() * scale))
+    out = _out_features(model)
+    act, device = model.act_dtype, model.device
+    layers = []
+    for by_linear in grouped:
+        fused = {}
+        for linear, items in by_linear.items():
+            big_a = torch.cat([a for _, a, _ in items])  # [R, in]
+            big_b = torch.zeros(out[linear], big_a.shape[0])
+            at = 0
+            for part, a, b in items:
+                rows = b if part.order is None else part.order(b)
+                big_b[part.offset:part.offset + part.rows, at:at + a.shape[0]] = rows
+                at += a.shape[0]
+            fused[linear] = (big_a.to(device, act).contiguous(), big_b.to(device, act).contiguous())
+        layers.append(fused)
+    return Adapter(name, path, top, sorted({module for _, module in pairs}), layers)
+
+
+def _read_peft(folder: Path, model: Model, bad) -> dict:
+    """A PEFT folder's {(layer, module): (A [r, in], B [out, r] in HF's row order, fn(r) -> scale)}."""
     try:
         config = json.loads((folder / "adapter_config.json").read_text())
     except FileNotFoundError:
@@ -143,62 +190,108 @@ def load_adapter(name: str, path: str, model: Model, max_rank: int) -> Adapter:
         tensors = load_file(str(st))
     except Exception as e:  # safetensors raises its own error types for a torn or foreign file
         raise bad(f"adapter_model.safetensors does not read: {e}") from None
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.match(key)
         if m is None:
             raise bad(f"tensor {key!r} is not a layer's lora_A / lora_B weight (embedding or lm_head adapters, "
                       "DoRA magnitudes and trained biases are not supported)")
         layer, module, ab = int(m[1]), m[2], m[3]
-        if module not in parts:
-            raise bad(f"tensor {key!r} adapts {module}, which this {model.cfg.architecture} model lacks")
-        if layer >= len(model.layers):
-            raise bad(f"tensor {key!r} is for layer {layer}; the model has {len(model.layers)} layers")
-        pairs.setdefault((layer, module), {})[ab] = t
-    if not pairs:
-        raise bad("adapter_model.safetensors holds no LoRA weights")
+        _check_place(bad, key, layer, module, model, parts)
+        found.setdefault((layer, module), {})[ab] = t
     rank_pattern, alpha_pattern = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}
     default_alpha = config.get("lora_alpha", 8)
     rslora = bool(config.get("use_rslora"))
-    grouped: list[dict[str, list]] = [{} for _ in model.layers]
-    top = 0
-    for (layer, module), ab in sorted(pairs.items()):
-        where = f"layer {layer} {module}"
+
+    def scale_of(layer: int, module: str):
+        def scale(r: int) -> float:
+            expected = _pattern(rank_pattern, layer, module, config.get("r", r))
+            if expected != r:
+                raise bad(f"layer {layer} {module}: rank {r} in the tensors, {expected} in adapter_config.json")
+            alpha = _pattern(alpha_pattern, layer, module, default_alpha)
+            return alpha / math.sqrt(r) if rslora else alpha / r
+
+        return scale
+
+    return {(layer, module): (ab["A"], ab["B"], scale_of(layer, module))
+            for (layer, module), ab in _complete(bad, found).items()}
+
+
+# llama.cpp's tensor names (blk.N.<name>.weight.lora_a / .lora_b) -> PEFT's module names
+_GGUF_MODULES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
+                 "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_GGUF_PHI3 = {"attn_qkv": "qkv_proj", "attn_output": "o_proj", "ffn_up": "gate_up_proj", "ffn_down": "down_proj"}
+_GGUF_KEY = re.compile(r"^blk\.(\d+)\.(\w+)\.weight\.lora_([ab])$")
+_GGUF_FLOATS = ("F32", "F16", "BF16", "Q8_0")
+# the architectures whose converter writes one name for another family (llama.cpp's own mapping)
+_GGUF_ARCH = {"mistral": "llama"}
+
+
+def _read_gguf(file: Path, model: Model, bad) -> dict:
+    """A llama.cpp GGUF LoRA (convert_lora_to_gguf.py): {(layer, module): (A, B in HF's row order, fn(r) ->
+    scale)}. The scale is llama.cpp's, adapter.lora.alpha / r (1 without an alpha); the converter keeps
+    neither rsLoRA nor rank / alpha patterns, so neither does the file."""
+    import gguf
+
+    from kvgen.engine.model_files import _PERMUTED_ARCHS, _unpermute
+
+    try:
+        reader = gguf.GGUFReader(str(file))
+    except Exception as e:  # gguf-py raises ValueError / struct / numpy errors on a file of another kind
+        raise bad(f"not a GGUF file ({type(e).__name__}: {e})") from None
+
+    def text(key: str) -> str | None:
+        f = reader.fields.get(key)
+        return None if f is None else str(f.contents())
+
+    if text("general.type") != "adapter" or text("adapter.type") != "lora":
+        raise bad(f"a GGUF of general.type {text('general.type')!r}, adapter.type {text('adapter.type')!r}: not "
+                  "a LoRA adapter (llama.cpp's convert_lora_to_gguf.py writes 'adapter', 'lora')")
+    arch, ours = text("general.architecture"), model.cfg.architecture
+    if _GGUF_ARCH.get(arch, arch) != _GGUF_ARCH.get(ours, ours):
+        raise bad(f"an adapter of a {arch!r} model; the base model is {ours!r}")
+    alpha_field = reader.fields.get("adapter.lora.alpha")
+    alpha = float(alpha_field.contents()) if alpha_field is not None else 0.0
+    names = _GGUF_PHI3 if ours == "phi3" else _GGUF_MODULES
+    parts = model_parts(model)
+    cfg = model.cfg
+    found: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for t in reader.tensors:
+        m = _GGUF_KEY.match(t.name)
+        if m is None or m[2] not in names:
+            raise bad(f"tensor {t.name!r} is not a layer's q/k/v/o/gate/up/down lora_a / lora_b (token embedding, "
+                      "output and norm adapters are not supported)")
+        if t.tensor_type.name not in _GGUF_FLOATS:
+            raise bad(f"tensor {t.name!r} is {t.tensor_type.name}; adapters are read as {', '.join(_GGUF_FLOATS)}")
+        layer, module = int(m[1]), names[m[2]]
+        _check_place(bad, t.name, layer, module, model, parts)
+        data = np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)  # a copy: not the map
+        w = torch.from_numpy(data.reshape(tuple(int(x) for x in reversed(t.shape.tolist()))))
+        if m[3] == "b" and ours in _PERMUTED_ARCHS and module in ("q_proj", "k_proj"):
+            # the converter permuted B's q/k rows as it does the model's (llama.cpp's RoPE layout): undo it
+            heads = cfg.num_heads if module == "q_proj" else cfg.num_kv_heads
+            if w.shape[0] % (2 * heads) == 0:  # else the shape check names the misfit
+                w = _unpermute(w, heads)
+        found.setdefault((layer, module), {})[m[3].upper()] = w
+
+    def scale(r: int) -> float:
+        return alpha / r if alpha else 1.0  # llama_adapter_lora_weight::get_scale
+
+    return {key: (ab["A"], ab["B"], scale) for key, ab in _complete(bad, found).items()}
+
+
+def _check_place(bad, key: str, layer: int, module: str, model: Model, parts: dict) -> None:
+    if module not in parts:
+        raise bad(f"tensor {key!r} adapts {module}, which this {model.cfg.architecture} model lacks")
+    if layer >= len(model.layers):
+        raise bad(f"tensor {key!r} is for layer {layer}; the model has {len(model.layers)} layers")
+
+
+def _complete(bad, found: dict) -> dict:
+    for (layer, module), ab in found.items():
         if set(ab) != {"A", "B"}:
-            raise bad(f"{where} has lora_{''.join(ab)} without its lora_{'B' if 'A' in ab else 'A'}")
-        a, b = ab["A"], ab["B"]
-        part = parts[module]
-        if a.ndim != 2 or b.ndim != 2 or a.shape[0] != b.shape[1]:
-            raise bad(f"{where}: lora_A {list(a.shape)} and lora_B {list(b.shape)} are not [r, in] and [out, r]")
-        r = a.shape[0]
-        if a.shape[1] != part.in_features or b.shape[0] != part.rows:
-            raise bad(f"{where}: lora_A {list(a.shape)}, lora_B {list(b.shape)} do not fit the base model's "
-                      f"{module} ({part.rows} x {part.in_features}): an adapter of another model")
-        if r > max_rank:
-            raise bad(f"{where} has rank {r}, over MAX_LORA_RANK={max_rank}")
-        expected = _pattern(rank_pattern, layer, module, config.get("r", r))
-        if expected != r:
-            raise bad(f"{where}: rank {r} in the tensors, {expected} in adapter_config.json")
-        alpha = _pattern(alpha_pattern, layer, module, default_alpha)
-        scale = alpha / math.sqrt(r) if rslora else alpha / r
-        top = max(top, r)
-        grouped[layer].setdefault(part.linear, []).append((part, a.float(), b.float() * scale))
-    out = _out_features(model)
-    act = model.act_dtype
-    layers = []
-    for by_linear in grouped:
-        fused = {}
-        for linear, items in by_linear.items():
-            big_a = torch.cat([a for _, a, _ in items])  # [R, in]
-            big_b = torch.zeros(out[linear], big_a.shape[0])
-            at = 0
-            for part, a, b in items:
-                rows = b if part.order is None else part.order(b)
-                big_b[part.offset:part.offset + part.rows, at:at + a.shape[0]] = rows
-                at += a.shape[0]
-            fused[linear] = (big_a.to(act).contiguous(), big_b.to(act).contiguous())
-        layers.append(fused)
-    return Adapter(name, path, top, sorted({module for _, module in pairs}), layers)
+            raise bad(f"layer {layer} {module} has lora_{''.join(ab)} without its lora_{'B' if 'A' in ab else 'A'}")
+    return found
 
 
 def _pattern(patterns: dict, layer: int, module: str, default):
@@ -212,32 +305,110 @@ def _pattern(patterns: dict, layer: int, module: str, default):
     return default
 
 
+class AdapterInUse(RuntimeError):
+    """An unload that timed out waiting for the requests running with the adapter (FAILED_PRECONDITION):
+    the adapter stays loaded."""
+
+
+class TooManyAdapters(RuntimeError):
+    """A load beyond MAX_LORAS (RESOURCE_EXHAUSTED)."""
+
+
+class AdapterExists(ValueError):
+    """A load under a name that is loaded, or being loaded or unloaded (ALREADY_EXISTS)."""
+
+
 class AdapterStore:
-    """The adapters the server holds, by name (loaded at start: LORA_ADAPTERS)."""
+    """The adapters the server holds, by name: loaded at start (LORA_ADAPTERS) and at run time.
+
+    Any thread may look a name up (the event loops' request handlers, the metrics scrape); the engine
+    thread never reads the store, only each sequence's Adapter. Changes take the lock and publish a
+    new dict (copy on write), so a reader iterating `adapters` never sees it change under it. A name
+    being loaded or unloaded is reserved (`busy`): a second load or unload of it is refused."""
 
     def __init__(self, model: Model, max_loras: int = 8, max_rank: int = 64):
         self.model, self.max_loras, self.max_rank = model, max_loras, max_rank
         self.adapters: dict[str, Adapter] = {}
+        self._lock = threading.Lock()
+        self._busy: set[str] = set()  # names being loaded or unloaded
 
     @classmethod
     def from_setting(cls, spec: str, model: Model, max_loras: int = 8, max_rank: int = 64) -> AdapterStore:
-        """LORA_ADAPTERS: name=folder,name=folder,..."""
+        """LORA_ADAPTERS: name=path,name=path,... (a PEFT folder or a llama.cpp .gguf file)"""
         store = cls(model, max_loras, max_rank)
         for item in filter(None, (s.strip() for s in spec.split(","))):
             name, eq, path = item.partition("=")
             if not eq or not name.strip() or not path.strip():
-                raise ValueError(f"LORA_ADAPTERS entry {item!r}: expected name=folder")
+                raise ValueError(f"LORA_ADAPTERS entry {item!r}: expected name=folder or name=file.gguf")
             store.load(name.strip(), path.strip())
         return store
 
     def load(self, name: str, path: str) -> Adapter:
-        if name in self.adapters:
-            raise AdapterError(name, path, "an adapter of this name is loaded already")
-        if len(self.adapters) >= self.max_loras:
-            raise AdapterError(name, path, f"{len(self.adapters)} adapters are loaded already (MAX_LORAS="
-                                           f"{self.max_loras})")
-        adapter = self.adapters[name] = load_adapter(name, path, self.model, self.max_rank)
+        """Read and publish an adapter (blocking: the files are read here). AdapterExists, TooManyAdapters,
+        AdapterError."""
+        self.reserve(name, path)
+        try:
+            adapter = load_adapter(name, path, self.model, self.max_rank)
+        except BaseException:
+            self.unreserve(name)
+            raise
+        self.publish(adapter)
         return adapter
+
+    def reserve(self, name: str, path: str = "") -> None:
+        """The first half of a load: hold the name and a MAX_LORAS slot while the files are read."""
+        with self._lock:
+            if name in self.adapters or name in self._busy:
+                raise AdapterExists(f"LoRA adapter {name[:128]!r}: an adapter of this name is loaded already"
+                                    if name in self.adapters else
+                                    f"LoRA adapter {name[:128]!r} is being loaded or unloaded")
+            taken = len(self.adapters) + len(self._busy)
+            if taken >= self.max_loras:
+                raise TooManyAdapters(f"LoRA adapter {name[:128]!r} ({path}): {taken} adapters are loaded already "
+                                      f"(MAX_LORAS={self.max_loras})")
+            self._busy.add(name)
+
+    def publish(self, adapter: Adapter) -> None:
+        with self._lock:
+            self._busy.discard(adapter.name)
+            self.adapters = {**self.adapters, adapter.name: adapter}
+
+    def unreserve(self, name: str) -> None:
+        with self._lock:
+            self._busy.discard(name)
+
+    def withdraw(self, name: str) -> Adapter | None:
+        """The first half of an unload: from now on the name is not found (new requests are refused)
+        while its running requests finish; None if it is not loaded."""
+        with self._lock:
+            adapter = self.adapters.get(name)
+            if adapter is None:
+                return None
+            self.adapters = {k: v for k, v in self.adapters.items() if k != name}
+            self._busy.add(name)  # its slot stays taken until the unload ends
+            return adapter
+
+    def restore(self, adapter: Adapter) -> None:
+        """An unload that gave up: the adapter serves again, as loaded."""
+        self.publish(adapter)
+
+    def forget(self, adapter: Adapter) -> None:
+        """An unload that finished: the name and the slot are free."""
+        self.unreserve(adapter.name)
+
+    def acquire(self, adapter: Adapter) -> bool:
+        """Count a request starting with `adapter` if it is still the one loaded under its name (False
+        once an unload has withdrawn it); release() when the engine lets the request go."""
+        with self._lock:
+            if self.adapters.get(adapter.name) is not adapter:
+                return False
+            adapter.active += 1
+            adapter.requests += 1
+            return True
+
+    def release(self, adapter: Adapter) -> None:
+        with self._lock:
+            adapter.active -= 1
 
     def get(self, name: str) -> Adapter | None:
         return self.adapters.get(name)

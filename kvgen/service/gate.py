@@ -14,7 +14,7 @@ import grpc
 from grpc_status import rpc_status
 
 from kvgen.errors import InvalidRequest
-from kvgen.service import control, convert, routing
+from kvgen.service import control, convert, lora_admin, routing
 from kvgen.service.errors import clip, to_status
 from kvgen.service.settings import Settings
 
@@ -29,6 +29,8 @@ CHECKS = {
     _PREFIX + "CloseSession": lambda req, settings: convert.check_session_id(req.session_id),
     _PREFIX + "CreateSession": routing.check_create_session,
     _PREFIX + "Abort": control.check_abort,
+    _PREFIX + "LoadAdapter": lambda req, settings: lora_admin.check_load(req.name, req.path),
+    _PREFIX + "UnloadAdapter": lambda req, settings: lora_admin.check_unload(req.name, req.timeout_seconds),
 }
 
 

@@ -8,6 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, aclosing, nullcontext
 
+import grpc
 from opentelemetry import trace
 
 from kvgen.engine.generator import Generator, kernel_path, type_kernels
@@ -15,7 +16,7 @@ from kvgen.engine.request import Request
 from kvgen.engine.sequence import Event
 from kvgen.engine.session import Session
 from kvgen.errors import Cancelled, InvalidRequest, NotFound, Overloaded, Unavailable
-from kvgen.service import convert, routing, tracing
+from kvgen.service import convert, lora_admin, routing, tracing
 from kvgen.service.control import InFlight
 from kvgen.service.errors import abort, clip, to_status
 from kvgen.v1 import generate_pb2 as pb
@@ -240,6 +241,32 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         out = self.load.snapshot(accepting=not self.draining)
         out.adapters.extend(convert.lora_adapters(self.gen))
         return out
+
+    async def LoadAdapter(self, request, context):
+        """A LoRA adapter loaded at run time (service/lora_admin.py: admin-only, statuses)."""
+        gen = await self._admin(context)
+        out = await lora_admin.load(gen, request.name, request.path)
+        if out.adapter is None:
+            await context.abort(out.code, out.message)
+        a = out.adapter
+        return pb.LoadAdapterResponse(adapter=pb.LoraAdapter(name=a.name, rank=a.rank, target_modules=a.targets))
+
+    async def UnloadAdapter(self, request, context):
+        """Unload once the requests running with it finish, or FAILED_PRECONDITION after the timeout."""
+        gen = await self._admin(context)
+        out = await lora_admin.unload(gen, request.name, request.timeout_seconds)
+        if out.adapter is None:
+            await context.abort(out.code, out.message)
+        return pb.UnloadAdapterResponse()
+
+    async def _admin(self, context) -> Generator:
+        try:
+            gen = self._ready()
+        except Exception as e:
+            await _abort(context, e)
+        if not lora_admin.is_admin(self.settings, context.invocation_metadata()):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, lora_admin.NOT_ADMIN)
+        return gen
 
     def _ready_or_draining(self) -> Generator:
         if self.gen is None:

@@ -32,6 +32,9 @@ class Settings:
                                    "away first")
     api_key: str = setting("", "when set, calls need `authorization: Bearer <key>` metadata; several keys, "
                                "comma-separated, give tenants their own", shown="(none)")
+    admin_api_keys: str = setting("", "with API_KEY set, the keys (comma-separated, each one of API_KEY's) that may "
+                                      "load and unload LoRA adapters (LoadAdapter, /v1/load_lora_adapter); none: "
+                                      "no caller may", shown="(none)")
     tls_cert: str = setting("", "PEM certificate chain file; with TLS_KEY the server speaks TLS only", shown="(none)")
     tls_key: str = setting("", "PEM private key file of TLS_CERT", shown="(none)")
     tls_client_ca: str = setting("", "PEM CA file; when set, clients must present a certificate it signed (mTLS)",

@@ -8,6 +8,7 @@ and merged."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from dataclasses import replace
@@ -16,11 +17,19 @@ import pytest
 import torch
 
 from kvgen.engine.generator import Generator, load_model
-from kvgen.engine.lora import AdapterError, AdapterStore, load_adapter
+from kvgen.engine.lora import AdapterError, AdapterExists, AdapterInUse, AdapterStore, TooManyAdapters, load_adapter
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.sampling import SamplingParams
 from kvgen.errors import InvalidRequest, NotFound
-from tests.tiny import tiny_bpe_tokenizer, tiny_config, tiny_weights, write_gguf, write_hf_folder
+from tests.tiny import (
+    converter_python,
+    llama_cpp_sources,
+    tiny_bpe_tokenizer,
+    tiny_config,
+    tiny_weights,
+    write_gguf,
+    write_hf_folder,
+)
 
 STEPS = 16
 PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def add(a, b):\n    return a + b\n"]
@@ -273,7 +282,216 @@ def test_lora_adapters_setting_is_parsed_and_bounded(base, model):
     folder = base[2]["attn"]
     store = AdapterStore.from_setting(f"one={folder}, two={folder}", model, max_loras=2)
     assert store.names() == ["one", "two"]
-    with pytest.raises(AdapterError, match=r"'three'.*MAX_LORAS=2"):
+    with pytest.raises(TooManyAdapters, match=r"'three'.*MAX_LORAS=2"):
         AdapterStore.from_setting(f"one={folder},two={folder},three={folder}", model, max_loras=2)
+    with pytest.raises(AdapterExists, match=r"'one'.*loaded already"):
+        AdapterStore.from_setting(f"one={folder},one={folder}", model)
     with pytest.raises(ValueError, match="expected name=folder"):
         AdapterStore.from_setting(str(folder), model)
+
+
+# ---- llama.cpp's GGUF LoRA files (convert_lora_to_gguf.py from the llama-cpp-python sdist) ----
+
+GGUF_ADAPTERS = ["attn", "every", "ko"]  # "mlp" is rsLoRA, which the converter drops (llama.cpp scales alpha / r)
+
+
+def convert_lora(adapter_folder, base_folder, out, outtype: str = "f32"):
+    """llama.cpp's convert_lora_to_gguf.py on a PEFT folder (the base model's config from base_folder)."""
+    import subprocess
+
+    src = llama_cpp_sources()
+    env = {**os.environ, "PYTHONPATH": str(src / "gguf-py"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([converter_python(), str(src / "convert_lora_to_gguf.py"), "--base", str(base_folder),
+                        "--outfile", str(out), "--outtype", outtype, str(adapter_folder)],
+                       env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert_lora_to_gguf.py failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def gguf_adapters(base, tmp_path_factory):
+    """{name: the .gguf llama.cpp's converter made of that PEFT folder}; "every" also as F16."""
+    root = tmp_path_factory.mktemp("lora-gguf")
+    out = {name: convert_lora(base[2][name], base[0], root / f"{name}.gguf") for name in GGUF_ADAPTERS}
+    out["every-f16"] = convert_lora(base[2]["every"], base[0], root / "every-f16.gguf", "f16")
+    return out
+
+
+def test_a_gguf_lora_holds_what_its_peft_folder_does(base, model, gguf_adapters):
+    """The converter's layout (A [r, in] and B [out, r] in ggml's reversed dims, B's q/k rows permuted
+    for llama.cpp's RoPE, alpha in adapter.lora.alpha) read back into the folder's own numbers."""
+    for name in GGUF_ADAPTERS:
+        folder = load_adapter(name, str(base[2][name]), model, 64)
+        gguf_file = load_adapter(name, str(gguf_adapters[name]), model, 64)
+        assert (gguf_file.rank, gguf_file.targets) == (folder.rank, folder.targets)
+        for i, (ours, theirs) in enumerate(zip(gguf_file.layers, folder.layers, strict=True)):
+            assert ours.keys() == theirs.keys(), (name, i)
+            for linear in ours:
+                for x, y in zip(ours[linear], theirs[linear], strict=True):
+                    torch.testing.assert_close(x, y, rtol=0, atol=1e-6, msg=f"{name} layer {i} {linear}")
+    half = load_adapter("h", str(gguf_adapters["every-f16"]), model, 64)
+    full = load_adapter("f", str(base[2]["every"]), model, 64)
+    torch.testing.assert_close(half.layers[1]["qkv"][1], full.layers[1]["qkv"][1], rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_lora_adapters_naming_gguf_files_give_the_folders_tokens_and_logprobs(base, gguf_adapters, kind):
+    folder, gguf_path, adapters = base
+    spec = ",".join([f"{n}={adapters[n]}" for n in GGUF_ADAPTERS] + [f"{n}-gguf={gguf_adapters[n]}"
+                                                                     for n in GGUF_ADAPTERS])
+    path = str(folder if kind == "hf" else gguf_path)
+    gen = Generator(*load_model(path, "fp32" if kind == "hf" else "auto"), EngineOptions(lora_adapters=spec),
+                    model_path=path)
+    try:
+        ids = gen.tokenize(PROMPTS[1])
+        jobs = [(ids, n) for n in GGUF_ADAPTERS] + [(ids, f"{n}-gguf") for n in GGUF_ADAPTERS]
+        out = _run(gen, jobs, logprobs=5)
+        for n, from_folder, from_gguf in zip(GGUF_ADAPTERS, out[:3], out[3:], strict=True):
+            assert from_gguf.token_ids == from_folder.token_ids, n
+            for a, b in zip(from_gguf.logprobs, from_folder.logprobs, strict=True):
+                assert [t for t, _ in a.top] == [t for t, _ in b.top], n
+                torch.testing.assert_close(torch.tensor([lp for _, lp in a.top]),
+                                           torch.tensor([lp for _, lp in b.top]), rtol=0, atol=1e-4)
+        plain = _run(gen, [(ids, "")])[0].token_ids
+        assert all(r.token_ids != plain for r in out)  # each adapter changes the output: a lost delta would show
+    finally:
+        gen.close()
+
+
+def test_a_gguf_that_is_no_lora_adapter_is_refused(base, model, gguf_adapters, tmp_path):
+    with pytest.raises(AdapterError, match=r"'m'.*general.type None.*not a LoRA adapter"):
+        load_adapter("m", str(base[1]), model, 64)  # the base model's own GGUF
+    garbage = tmp_path / "x.gguf"
+    garbage.write_bytes(b"GGUF" + b"\xff" * 64)
+    with pytest.raises(AdapterError, match=r"'g'.*not a GGUF file"):
+        load_adapter("g", str(garbage), model, 64)
+    with pytest.raises(AdapterError, match=r"'ko'.*rank 16, over MAX_LORA_RANK=8"):
+        load_adapter("ko", str(gguf_adapters["ko"]), model, 8)
+
+
+def test_a_gguf_lora_of_another_model_is_refused(model, tmp_path):
+    _hf_logging_quiet()
+    cfg = tiny_config(vocab=300, layers=2, hidden=32, heads=4, kv_heads=2, ffn=64, context=512)
+    write_hf_folder(tmp_path / "other", cfg, tiny_weights(cfg), tiny_bpe_tokenizer(300))
+    other = write_adapter(tmp_path / "other", tmp_path / "lora", ["q_proj"], 4, 8, False, seed=0)
+    converted = convert_lora(other, tmp_path / "other", tmp_path / "other.gguf")
+    with pytest.raises(AdapterError, match=r"'other'.*q_proj: lora_A \[4, 32\].*do not fit.*64"):
+        load_adapter("other", str(converted), model, 64)
+
+
+# ---- loading and unloading at run time ----
+
+
+@pytest.fixture
+def bare(base):
+    """An engine on the HF folder with no adapter loaded at start, room for two."""
+    path = str(base[0])
+    gen = Generator(*load_model(path, "fp32"), EngineOptions(max_loras=2), model_path=path)
+    yield gen
+    gen.close()
+
+
+def test_an_adapter_loaded_at_run_time_runs_as_one_loaded_at_start(base, engine, bare, gguf_adapters, monkeypatch):
+    import threading
+
+    import kvgen.engine.generator as generator_mod
+
+    kind, gen = engine
+    if kind != "hf":
+        pytest.skip("the run-time engine is on the HF folder")
+    readers = []
+    real = generator_mod.load_adapter
+
+    def recording(*args):
+        readers.append(threading.current_thread())
+        return real(*args)
+
+    monkeypatch.setattr(generator_mod, "load_adapter", recording)
+    ids = gen.tokenize(PROMPTS[0])
+    bare.bridge.run(bare.load_adapter("ko", str(base[2]["ko"])))
+    bare.bridge.run(bare.load_adapter("every", str(gguf_adapters["every"])))
+    assert readers and all(t is not threading.main_thread() and t.name != "bridge" for t in readers)  # off the loop
+    assert bare.adapters.names() == ["ko", "every"]
+    for name in ("ko", "every"):
+        assert _run(bare, [(ids, name)])[0].token_ids == _run(gen, [(ids, name)])[0].token_ids, name
+
+
+def test_a_load_beyond_max_loras_or_of_a_loaded_name_is_refused_and_leaks_nothing(base, bare, tmp_path):
+    load = lambda name, path: bare.bridge.run(bare.load_adapter(name, str(path)))  # noqa: E731
+    load("a", base[2]["attn"])
+    with pytest.raises(AdapterExists, match="'a'.*loaded already"):
+        load("a", base[2]["mlp"])
+    with pytest.raises(AdapterError, match="'b'.*not a folder"):
+        load("b", tmp_path / "missing")  # a failed load gives its slot back...
+    load("b", base[2]["mlp"])  # ...so this one fits
+    with pytest.raises(TooManyAdapters, match=r"'c'.*2 adapters are loaded already \(MAX_LORAS=2\)"):
+        load("c", base[2]["ko"])
+    assert bare.adapters.names() == ["a", "b"]
+    ids = bare.tokenize(PROMPTS[0])
+    assert _run(bare, [(ids, "b")])[0].token_ids  # still serving
+
+
+def test_unloading_refuses_new_requests_at_once_and_waits_for_running_ones(base, bare):
+    bare.bridge.run(bare.load_adapter("ko", str(base[2]["ko"])))
+    ids = bare.tokenize(PROMPTS[0])
+    session = bare.new_session(adapter="ko")
+
+    async def go():
+        running = bare.submit(ids, SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True), adapter="ko")
+        await running.__anext__()  # it runs
+        unload = asyncio.ensure_future(bare.unload_adapter("ko", timeout_s=60))
+        await asyncio.sleep(0.05)
+        assert not unload.done()  # waiting for `running`
+        with pytest.raises(NotFound, match="'ko' is not loaded"):
+            await bare.request(PROMPTS[0], SamplingParams(max_new_tokens=1), adapter="ko")
+        with pytest.raises(NotFound, match="'ko'.*being unloaded or was"):
+            bare.submit(ids, SamplingParams(max_new_tokens=1), session=session)  # nor its sessions' turns
+        running.cancel()
+        await asyncio.wait_for(unload, 30)  # done once the engine let `running` go
+        await running.released()
+
+    bare.bridge.run(go())
+    assert bare.adapters.names() == [] and bare.adapters.adapters == {}
+    bare.close_session(session.session_id)
+    bare.bridge.run(bare.load_adapter("ko", str(base[2]["ko"])))  # its name and slot are free again
+
+
+def test_an_unload_that_times_out_is_failed_precondition_and_the_adapter_keeps_serving(base, bare):
+    bare.bridge.run(bare.load_adapter("ko", str(base[2]["ko"])))
+    ids = bare.tokenize(PROMPTS[0])
+
+    async def go():
+        running = bare.submit(ids, SamplingParams(temperature=0, max_new_tokens=400, ignore_eos=True), adapter="ko")
+        await running.__anext__()
+        with pytest.raises(AdapterInUse, match="'ko': 1 requests still run with it after 0.2 s; it stays loaded"):
+            await bare.unload_adapter("ko", timeout_s=0.2)
+        running.cancel()
+        await running.released()
+
+    bare.bridge.run(go())
+    assert bare.adapters.names() == ["ko"]
+    assert _run(bare, [(ids, "ko")])[0].token_ids  # serving again
+    assert bare.adapters.get("ko").active == 0  # every request's hold was let go
+    bare.bridge.run(bare.unload_adapter("ko", timeout_s=1))
+    with pytest.raises(NotFound):
+        bare.bridge.run(bare.unload_adapter("ko", timeout_s=1))
+
+
+def test_a_reloaded_adapter_never_meets_its_old_prefix_cache_blocks(base, bare):
+    """Unload "x", load another adapter as "x": the old K/V is keyed by the old load's serial."""
+    ids = bare.tokenize("numbers 123 4567 89, and the year 2024. " * 4)
+    bare.bridge.run(bare.load_adapter("x", str(base[2]["attn"])))
+    first = bare.adapters.get("x").serial
+    _run(bare, [(ids, "x")], max_new_tokens=2)
+    assert _run(bare, [(ids, "x")], max_new_tokens=2)[0].usage.cached_tokens >= bare.pool.block_size
+    bare.bridge.run(bare.unload_adapter("x", timeout_s=5))
+    bare.bridge.run(bare.load_adapter("x", str(base[2]["mlp"])))
+    assert bare.adapters.get("x").serial != first
+    again = _run(bare, [(ids, "x")], max_new_tokens=STEPS)[0]
+    assert again.usage.cached_tokens == 0
+    fresh = Generator(*load_model(str(base[0]), "fp32"), EngineOptions(lora_adapters=f"x={base[2]['mlp']}"))
+    try:
+        assert again.token_ids == _run(fresh, [(ids, "x")], max_new_tokens=STEPS)[0].token_ids
+    finally:
+        fresh.close()

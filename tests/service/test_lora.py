@@ -132,3 +132,84 @@ def test_vllm_lora_requests_info_shows_the_running_adapters(server, expected):
             stream.cancel()
     line = next(ln for ln in text.splitlines() if ln.startswith("vllm:lora_requests_info{"))
     assert 'running_lora_adapters="ko"' in line and 'max_lora="4"' in line and 'waiting_lora_adapters=""' in line
+
+
+# ---------------------------------------------------------------- loading and unloading at run time
+
+USER, ADMIN = "user-key", "admin-key"
+
+
+@pytest.fixture(scope="module")
+def keyed(base):  # noqa: F811
+    """A server with API keys, one of them admin, and no adapter loaded at start."""
+    folder, _, _ = base
+    gen = Generator(*load_model(str(folder), "fp32"), EngineOptions(max_loras=1))
+    s = ServerThread(gen, http_port=free_port(), api_key=f"{USER},{ADMIN}", admin_api_keys=ADMIN)
+    yield s
+    s.stop()
+
+
+def _auth(key: str) -> list[tuple[str, str]]:
+    return [("authorization", f"Bearer {key}")]
+
+
+def _code(call) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    return e.value.code()
+
+
+def test_load_and_unload_adapter_over_grpc_admin_only(keyed, base, expected):  # noqa: F811
+    _, _, adapters = base
+    with keyed.channel() as ch:
+        stub = pb_grpc.GeneratorStub(ch)
+        load = pb.LoadAdapterRequest(name="mlp", path=str(adapters["mlp"]))
+        assert _code(lambda: stub.LoadAdapter(load)) == grpc.StatusCode.UNAUTHENTICATED
+        assert _code(lambda: stub.LoadAdapter(load, metadata=_auth(USER))) == grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda: stub.Generate(_request("mlp"), metadata=_auth(USER))) == grpc.StatusCode.NOT_FOUND
+        bad = pb.LoadAdapterRequest(name="x", path="/nonexistent/adapter")  # refused, its slot given back
+        assert _code(lambda: stub.LoadAdapter(bad, metadata=_auth(ADMIN))) == grpc.StatusCode.INVALID_ARGUMENT
+        got = stub.LoadAdapter(load, metadata=_auth(ADMIN)).adapter
+        assert (got.name, got.rank) == ("mlp", ADAPTERS["mlp"][1])
+        # a user's request runs it as the server that loaded it at start does
+        assert list(stub.Generate(_request("mlp"), metadata=_auth(USER)).token_ids) == expected["mlp"]
+        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=_auth(USER))
+        assert [a.name for a in info.adapters] == ["mlp"]
+        assert _code(lambda: stub.LoadAdapter(load, metadata=_auth(ADMIN))) == grpc.StatusCode.ALREADY_EXISTS
+        more = pb.LoadAdapterRequest(name="attn", path=str(adapters["attn"]))
+        assert _code(lambda: stub.LoadAdapter(more, metadata=_auth(ADMIN))) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        unload = pb.UnloadAdapterRequest(name="mlp")
+        assert _code(lambda: stub.UnloadAdapter(unload, metadata=_auth(USER))) == grpc.StatusCode.PERMISSION_DENIED
+        stub.UnloadAdapter(unload, metadata=_auth(ADMIN))
+        assert _code(lambda: stub.Generate(_request("mlp"), metadata=_auth(USER))) == grpc.StatusCode.NOT_FOUND
+        assert _code(lambda: stub.UnloadAdapter(unload, metadata=_auth(ADMIN))) == grpc.StatusCode.NOT_FOUND
+        # the slot is free again, and the base model never stopped serving
+        assert list(stub.Generate(_request(), metadata=_auth(USER)).token_ids) == expected[""]
+
+
+def _post(server, path: str, body: dict, key: str) -> tuple[int, str]:
+    url = f"http://127.0.0.1:{server.server.http.port}{path}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def test_vllms_load_and_unload_lora_adapter_routes(keyed, base, expected):  # noqa: F811
+    _, _, adapters = base
+    body = {"lora_name": "attn", "lora_path": str(adapters["attn"])}
+    assert _post(keyed, "/v1/load_lora_adapter", body, USER)[0] == 403
+    status, text = _post(keyed, "/v1/load_lora_adapter", body, ADMIN)
+    assert status == 200 and text.startswith("Success")
+    assert _post(keyed, "/v1/load_lora_adapter", body, ADMIN)[0] == 400  # loaded already (vLLM: 400)
+    status, text = _post(keyed, "/v1/completions", {"model": "attn", "prompt": PROMPTS[0], "max_tokens": STEPS,
+                                                    "temperature": 0, "ignore_eos": True}, USER)
+    assert status == 200 and json.loads(text)["choices"][0]["text"] == keyed.gen.tokenizer.decode(expected["attn"])
+    assert _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "attn"}, USER)[0] == 403
+    assert _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "attn"}, ADMIN)[0] == 200
+    status, text = _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "attn"}, ADMIN)
+    assert status == 404 and "'attn'" in json.loads(text)["error"]["message"]
+    assert _post(keyed, "/v1/completions", {"model": "attn", "prompt": "hi", "max_tokens": 1}, USER)[0] == 404

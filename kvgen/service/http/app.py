@@ -24,6 +24,7 @@ from kvgen.service import tracing as tracing_mod
 from kvgen.service.auth import DENIED, AuthInterceptor
 from kvgen.service.http import errors
 from kvgen.service.http.errors import HttpError
+from kvgen.service.http.lora_routes import LoraRoutes
 from kvgen.service.http.routes import OpenAIRoutes
 from kvgen.service.http.tokenize_routes import TokenizerRoutes
 from kvgen.service.http.worker_routes import OPEN_PATHS, WorkerRoutes
@@ -54,6 +55,7 @@ class HttpApi:
                               client_max_size=settings.max_receive_bytes)
         self.routes.add_to(app)
         TokenizerRoutes(settings, self.routes.ready).add_to(app)  # what lm-eval's remote tokenizer reads
+        LoraRoutes(settings, self.routes.ready).add_to(app)  # vLLM's run-time LoRA loading
         # what a router (smg, the GIE endpoint picker) reads: /health, /metrics, /v1/loads
         self.worker = WorkerRoutes(settings, self.routes, metrics.registry if metrics is not None else None)
         self.worker.add_to(app)
