@@ -27,7 +27,7 @@ REPLICA = "replica-under-test"
 KEY = "client-test-key"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def tiny_kvgen():
     """A kvgen server over a 2-layer random Llama with a ChatML template; API key KEY, batches
     of 4 at most."""
