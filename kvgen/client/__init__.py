@@ -51,6 +51,7 @@ from kvgen.client.errors import (
 )
 from kvgen.client.results import (
                                  AbortResult,
+                                 AdapterInfo,
                                  BatchStreamDelta,
                                  Completion,
                                  FinishReason,
@@ -69,7 +70,7 @@ from kvgen.client.sync import BatchStream, Client, Session, Stream
 from kvgen.client.wire import REPLICA_TRAILER, SESSION_HEADER, replica, request, session_lost
 
 __all__ = [
-    "AbortResult", "AsyncBatchStream", "AsyncClient", "AsyncSession", "AsyncStream", "BatchStream",
+    "AbortResult", "AdapterInfo", "AsyncBatchStream", "AsyncClient", "AsyncSession", "AsyncStream", "BatchStream",
     "BatchStreamDelta", "Cancelled", "Client", "Completion",
     "DeadlineExceeded", "FieldViolation", "FinishReason", "Internal", "InvalidArgument", "KvgenError", "Load",
     "MAX_RECEIVE_BYTES", "ModelInfo", "NO_RETRY", "NotFound", "PermissionDenied", "PrefixCacheStats",

@@ -183,6 +183,17 @@ class AsyncClient:
                                     with_session(self.metadata, routing_key))
         return r.AbortResult(tuple(resp.aborted), tuple(resp.unknown))
 
+    async def load_adapter(self, name: str, path: str, timeout: float | None = None) -> r.AdapterInfo:
+        """As Client.load_adapter."""
+        resp, _ = await self._unary(self.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, path=path), timeout,
+                                    self.metadata)
+        return r.AdapterInfo.of(resp.adapter)
+
+    async def unload_adapter(self, name: str, wait: float = 0.0, timeout: float | None = None) -> None:
+        """As Client.unload_adapter."""
+        await self._unary(self.stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name, timeout_seconds=wait),
+                          timeout, self.metadata)
+
     async def open_session(self, session_id: str = "", timeout: float | None = None) -> r.SessionInfo:
         sid = session_id or uuid.uuid4().hex
         resp, _ = await self._unary(self.stub.CreateSession, pb.CreateSessionRequest(session_id=sid), timeout,

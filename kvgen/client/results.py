@@ -218,6 +218,19 @@ class Load:
 
 
 @dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter the server loaded (LoadAdapter): its name, highest rank, PEFT module names."""
+
+    name: str
+    rank: int
+    target_modules: tuple[str, ...]
+
+    @classmethod
+    def of(cls, a: pb.LoraAdapter) -> AdapterInfo:
+        return cls(a.name, a.rank, tuple(a.target_modules))
+
+
+@dataclass(frozen=True)
 class AbortResult:
     aborted: tuple[str, ...]  # ids of running requests, now ended with CANCELLED
     unknown: tuple[str, ...]  # ids that named nothing running (not an error)

@@ -208,6 +208,19 @@ class Client:
                               with_session(self.metadata, routing_key))
         return r.AbortResult(tuple(resp.aborted), tuple(resp.unknown))
 
+    def load_adapter(self, name: str, path: str, timeout: float | None = None) -> r.AdapterInfo:
+        """Load a LoRA adapter (a PEFT folder or .gguf file on the server's disk) under name; admin-only
+        when the server has API keys (PermissionDenied)."""
+        resp, _ = self._unary(self.stub.LoadAdapter, pb.LoadAdapterRequest(name=name, path=path), timeout,
+                              self.metadata)
+        return r.AdapterInfo.of(resp.adapter)
+
+    def unload_adapter(self, name: str, wait: float = 0.0, timeout: float | None = None) -> None:
+        """Unload it once the requests running with it finish; FailedPrecondition if some still run
+        after `wait` seconds (0: the server's 30 s), the adapter then still loaded."""
+        self._unary(self.stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name, timeout_seconds=wait), timeout,
+                    self.metadata)
+
     def open_session(self, session_id: str = "", timeout: float | None = None) -> r.SessionInfo:
         """Open a session under session_id (default: a fresh random id, chosen here so that the
         CreateSession call itself is routed by it, to the replica its later turns go to)."""

@@ -30,15 +30,16 @@ def _message(m) -> pb.ChatMessage:
 
 
 def request(prompt: Prompt, session_id: str = "", request_id: str = "", cache_salt: str = "",
-            **sampling) -> pb.GenerateRequest:
+            adapter: str = "", **sampling) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt (text, chat messages or token ids) and SamplingParams fields
-    (json_schema may be a dict, choice a list of strings, logit_bias a {token id: bias} dict)."""
+    (json_schema may be a dict, choice a list of strings, logit_bias a {token id: bias} dict);
+    adapter: a loaded LoRA adapter's name ("": the base model)."""
     if isinstance(sampling.get("json_schema"), dict):
         sampling["json_schema"] = json.dumps(sampling["json_schema"])
     if isinstance(sampling.get("choice"), list | tuple):
         sampling["choice"] = pb.ChoiceList(choices=sampling["choice"])
     req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), session_id=session_id, request_id=request_id,
-                             cache_salt=cache_salt)
+                             cache_salt=cache_salt, adapter=adapter)
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt and not isinstance(prompt[0], int):

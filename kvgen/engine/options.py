@@ -60,9 +60,10 @@ class EngineOptions:
     draft_kv_mb: float = setting(128.0, "memory for the draft model's (or EAGLE head's) own KV block pool, MB")
     eagle_head: str = setting("", "the EAGLE head of SPECULATIVE=eagle: a .safetensors file (or a folder with "
                                   "model.safetensors) in EAGLE-1's layout, sized for the served model", shown="(none)")
-    lora_adapters: str = setting("", "LoRA adapters loaded at start, name=folder,... (PEFT folders: "
-                                     "adapter_config.json + adapter_model.safetensors); a request names one in its "
-                                     "`adapter` field (HTTP: `model`)", shown="(none)")
+    lora_adapters: str = setting("", "LoRA adapters loaded at start, name=path,... (PEFT folders: "
+                                     "adapter_config.json + adapter_model.safetensors, or llama.cpp .gguf LoRA "
+                                     "files); a request names one in its `adapter` field (HTTP: `model`)",
+                                 shown="(none)")
     max_loras: int = setting(8, "the most LoRA adapters loaded at once")
     max_lora_rank: int = setting(64, "the highest LoRA rank an adapter may have")
     device: str = setting("cpu", "where the model and the KV pool live: cpu or cuda[:i]")

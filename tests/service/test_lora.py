@@ -134,82 +134,141 @@ def test_vllm_lora_requests_info_shows_the_running_adapters(server, expected):
     assert 'running_lora_adapters="ko"' in line and 'max_lora="4"' in line and 'waiting_lora_adapters=""' in line
 
 
-# ---------------------------------------------------------------- loading and unloading at run time
+# ---- loading and unloading at run time: LoadAdapter / UnloadAdapter and vLLM's HTTP routes, admin-only ----
 
-USER, ADMIN = "user-key", "admin-key"
+TENANT, ADMIN = "tenant-key", "admin-key"
 
 
 @pytest.fixture(scope="module")
 def keyed(base):  # noqa: F811
-    """A server with API keys, one of them admin, and no adapter loaded at start."""
-    folder, _, _ = base
-    gen = Generator(*load_model(str(folder), "fp32"), EngineOptions(max_loras=1))
-    s = ServerThread(gen, http_port=free_port(), api_key=f"{USER},{ADMIN}", admin_api_keys=ADMIN)
+    """A server with API keys (one of them an admin's), no adapter loaded at start, room for two."""
+    gen = Generator(*load_model(str(base[0]), "fp32"), EngineOptions(max_loras=2))
+    s = ServerThread(gen, http_port=free_port(), api_key=f"{TENANT},{ADMIN}", admin_api_keys=ADMIN)
     yield s
     s.stop()
 
 
-def _auth(key: str) -> list[tuple[str, str]]:
-    return [("authorization", f"Bearer {key}")]
+def _meta(key: str):
+    return (("authorization", f"Bearer {key}"),)
 
 
-def _code(call) -> grpc.StatusCode:
+def _code(call) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as e:
         call()
-    return e.value.code()
+    return e.value.code(), e.value.details()
 
 
-def test_load_and_unload_adapter_over_grpc_admin_only(keyed, base, expected):  # noqa: F811
-    _, _, adapters = base
+def test_load_and_unload_adapter_over_grpc(base, keyed, tmp_path):  # noqa: F811
+    from tests.engine.test_lora import convert_lora
+
+    ko_gguf = convert_lora(base[2]["ko"], base[0], tmp_path / "ko.gguf")
+    ids = keyed.gen.tokenize(PROMPTS[0])
     with keyed.channel() as ch:
         stub = pb_grpc.GeneratorStub(ch)
-        load = pb.LoadAdapterRequest(name="mlp", path=str(adapters["mlp"]))
-        assert _code(lambda: stub.LoadAdapter(load)) == grpc.StatusCode.UNAUTHENTICATED
-        assert _code(lambda: stub.LoadAdapter(load, metadata=_auth(USER))) == grpc.StatusCode.PERMISSION_DENIED
-        assert _code(lambda: stub.Generate(_request("mlp"), metadata=_auth(USER))) == grpc.StatusCode.NOT_FOUND
-        bad = pb.LoadAdapterRequest(name="x", path="/nonexistent/adapter")  # refused, its slot given back
-        assert _code(lambda: stub.LoadAdapter(bad, metadata=_auth(ADMIN))) == grpc.StatusCode.INVALID_ARGUMENT
-        got = stub.LoadAdapter(load, metadata=_auth(ADMIN)).adapter
-        assert (got.name, got.rank) == ("mlp", ADAPTERS["mlp"][1])
-        # a user's request runs it as the server that loaded it at start does
-        assert list(stub.Generate(_request("mlp"), metadata=_auth(USER)).token_ids) == expected["mlp"]
-        info = stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=_auth(USER))
-        assert [a.name for a in info.adapters] == ["mlp"]
-        assert _code(lambda: stub.LoadAdapter(load, metadata=_auth(ADMIN))) == grpc.StatusCode.ALREADY_EXISTS
-        more = pb.LoadAdapterRequest(name="attn", path=str(adapters["attn"]))
-        assert _code(lambda: stub.LoadAdapter(more, metadata=_auth(ADMIN))) == grpc.StatusCode.RESOURCE_EXHAUSTED
-        unload = pb.UnloadAdapterRequest(name="mlp")
-        assert _code(lambda: stub.UnloadAdapter(unload, metadata=_auth(USER))) == grpc.StatusCode.PERMISSION_DENIED
-        stub.UnloadAdapter(unload, metadata=_auth(ADMIN))
-        assert _code(lambda: stub.Generate(_request("mlp"), metadata=_auth(USER))) == grpc.StatusCode.NOT_FOUND
-        assert _code(lambda: stub.UnloadAdapter(unload, metadata=_auth(ADMIN))) == grpc.StatusCode.NOT_FOUND
-        # the slot is free again, and the base model never stopped serving
-        assert list(stub.Generate(_request(), metadata=_auth(USER)).token_ids) == expected[""]
+        load = lambda name, path, key=ADMIN: stub.LoadAdapter(  # noqa: E731
+            pb.LoadAdapterRequest(name=name, path=str(path)), metadata=_meta(key))
+        unload = lambda name, timeout=0.0: stub.UnloadAdapter(  # noqa: E731
+            pb.UnloadAdapterRequest(name=name, timeout_seconds=timeout), metadata=_meta(ADMIN))
+        assert _code(lambda: load("ko", ko_gguf, TENANT))[0] == grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda: load("ko", ko_gguf, "wrong"))[0] == grpc.StatusCode.UNAUTHENTICATED
+        reply = load("ko", ko_gguf)
+        assert (reply.adapter.name, reply.adapter.rank) == ("ko", 16)
+        assert sorted(reply.adapter.target_modules) == ["k_proj", "o_proj"]
+        got = list(stub.Generate(_request("ko"), metadata=_meta(TENANT)).token_ids)  # a tenant may use it
+        assert got == _run(keyed.gen, [(ids, "ko")])[0].token_ids
+        assert got != list(stub.Generate(_request(""), metadata=_meta(TENANT)).token_ids)
+        code, details = _code(lambda: load("ko", base[2]["attn"]))
+        assert code == grpc.StatusCode.ALREADY_EXISTS and "'ko'" in details
+        code, details = _code(lambda: load("bad", tmp_path / "missing"))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a folder" in details
+        assert _code(lambda: load("a,b", ko_gguf))[0] == grpc.StatusCode.INVALID_ARGUMENT  # the gate
+        load("attn", base[2]["attn"])
+        code, details = _code(lambda: load("mlp", base[2]["mlp"]))
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "MAX_LORAS=2" in details
+        long = pb.GenerateRequest(prompt=PROMPTS[0], adapter="ko", sampling=pb.SamplingParams(
+            temperature=0, max_new_tokens=400, ignore_eos=True))
+        stream = stub.GenerateStream(long, metadata=_meta(TENANT))
+        next(stream)  # running with "ko"
+        code, details = _code(lambda: unload("ko", 0.3))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "stays loaded" in details
+        stream.cancel()
+        unload("ko", 30)  # waits until the cancelled stream's request is let go
+        code, details = _code(lambda: stub.Generate(_request("ko"), metadata=_meta(TENANT)))
+        assert code == grpc.StatusCode.NOT_FOUND and "'ko'" in details
+        assert _code(lambda: unload("ko"))[0] == grpc.StatusCode.NOT_FOUND
+        assert [a.name for a in stub.GetLoad(pb.GetLoadRequest(), metadata=_meta(TENANT)).adapters] == ["attn"]
+        unload("attn")
+    assert keyed.gen.adapters.names() == []
 
 
-def _post(server, path: str, body: dict, key: str) -> tuple[int, str]:
+def _post(server, path: str, body: dict, key: str | None):
     url = f"http://127.0.0.1:{server.server.http.port}{path}"
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={
-        "Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
-        return e.code, e.read().decode()
+        return e.code, json.loads(e.read())["error"]["message"]
 
 
-def test_vllms_load_and_unload_lora_adapter_routes(keyed, base, expected):  # noqa: F811
-    _, _, adapters = base
-    body = {"lora_name": "attn", "lora_path": str(adapters["attn"])}
-    assert _post(keyed, "/v1/load_lora_adapter", body, USER)[0] == 403
-    status, text = _post(keyed, "/v1/load_lora_adapter", body, ADMIN)
-    assert status == 200 and text.startswith("Success")
-    assert _post(keyed, "/v1/load_lora_adapter", body, ADMIN)[0] == 400  # loaded already (vLLM: 400)
-    status, text = _post(keyed, "/v1/completions", {"model": "attn", "prompt": PROMPTS[0], "max_tokens": STEPS,
-                                                    "temperature": 0, "ignore_eos": True}, USER)
-    assert status == 200 and json.loads(text)["choices"][0]["text"] == keyed.gen.tokenizer.decode(expected["attn"])
-    assert _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "attn"}, USER)[0] == 403
-    assert _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "attn"}, ADMIN)[0] == 200
-    status, text = _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "attn"}, ADMIN)
-    assert status == 404 and "'attn'" in json.loads(text)["error"]["message"]
-    assert _post(keyed, "/v1/completions", {"model": "attn", "prompt": "hi", "max_tokens": 1}, USER)[0] == 404
+def test_vllm_load_and_unload_lora_adapter_over_http(base, keyed):  # noqa: F811
+    load = {"lora_name": "every", "lora_path": str(base[2]["every"])}
+    assert _post(keyed, "/v1/load_lora_adapter", load, None)[0] == 401
+    assert _post(keyed, "/v1/load_lora_adapter", load, TENANT)[0] == 403
+    assert _post(keyed, "/v1/load_lora_adapter", load, ADMIN) == (
+        200, "Success: LoRA adapter 'every' added successfully.")
+    status, message = _post(keyed, "/v1/load_lora_adapter", load, ADMIN)
+    assert status == 400 and "loaded already" in message
+    status, message = _post(keyed, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": "/nope"}, ADMIN)
+    assert status == 400 and "'x'" in message
+    status, answer = _post(keyed, "/v1/completions", {"model": "every", "prompt": PROMPTS[0], "max_tokens": STEPS,
+                                                       "temperature": 0, "ignore_eos": True}, TENANT)
+    ids = keyed.gen.tokenize(PROMPTS[0])
+    assert status == 200
+    assert json.loads(answer)["choices"][0]["text"] == keyed.gen.tokenizer.decode(
+        _run(keyed.gen, [(ids, "every")])[0].token_ids)
+    assert _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "every"}, TENANT)[0] == 403
+    assert _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "every"}, ADMIN) == (
+        200, "Success: LoRA adapter 'every' removed successfully.")
+    status, message = _post(keyed, "/v1/unload_lora_adapter", {"lora_name": "every"}, ADMIN)
+    assert status == 404 and "'every'" in message
+    status, message = _post(keyed, "/v1/completions", {"model": "every", "prompt": "hi", "max_tokens": 1}, TENANT)
+    assert status == 404 and "'every'" in message
+
+
+def test_the_python_clients_load_use_and_unload_an_adapter(base, keyed):  # noqa: F811
+    import asyncio
+
+    from kvgen.client import AsyncClient, Client, PermissionDenied
+    from kvgen.client import NotFound as ClientNotFound
+
+    ids = keyed.gen.tokenize(PROMPTS[0])
+    with Client(keyed.target, api_key=ADMIN) as admin, Client(keyed.target, api_key=TENANT) as tenant:
+        with pytest.raises(PermissionDenied):
+            tenant.load_adapter("attn", str(base[2]["attn"]))
+        info = admin.load_adapter("attn", str(base[2]["attn"]))
+        assert (info.name, info.rank, info.target_modules) == ("attn", 4, ("q_proj", "v_proj"))
+        got = tenant.generate(PROMPTS[0], adapter="attn", temperature=0, max_new_tokens=STEPS, ignore_eos=True)
+        assert list(got.token_ids) == _run(keyed.gen, [(ids, "attn")])[0].token_ids
+        admin.unload_adapter("attn", wait=5)
+        with pytest.raises(ClientNotFound):
+            tenant.generate(PROMPTS[0], adapter="attn", max_new_tokens=1)
+
+    async def aio():
+        async with AsyncClient(keyed.target, api_key=ADMIN) as admin:
+            info = await admin.load_adapter("ko", str(base[2]["ko"]))
+            got = await admin.generate(PROMPTS[0], adapter="ko", temperature=0, max_new_tokens=STEPS, ignore_eos=True)
+            return info, got
+
+    info, got = asyncio.run(aio())
+    assert info.name == "ko" and list(got.token_ids) == _run(keyed.gen, [(ids, "ko")])[0].token_ids
+    asyncio.run(_unload_async(keyed.target, "ko"))
+    assert keyed.gen.adapters.names() == []
+
+
+async def _unload_async(target: str, name: str) -> None:
+    from kvgen.client import AsyncClient
+
+    async with AsyncClient(target, api_key=ADMIN) as admin:
+        await admin.unload_adapter(name)
