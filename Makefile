@@ -141,6 +141,10 @@ bench-serving: $(STAMP) $(STUBS)
 
 # kvgen next to llama-bench on the embedded model re-encoded as Q4_K_M/Q5_K_M/Q6_K/Q8_0 (made offline,
 # with llama-quantize/llama-bench built from the same sdist): bench/results/models.md
+# 16 streams over 8 random LoRA adapters vs 16 on the base model, one engine: bench/results/lora.md
+bench-lora: $(STAMP) $(STUBS)
+	$(PY) bench/lora.py $(LORA_ARGS)
+
 bench-models: $(STAMP) $(STUBS)
 	bash bench/setup_models.sh
 	$(PY) bench/models.py
