@@ -179,13 +179,18 @@ class Envoy:
         raise TimeoutError(f"envoy never saw {want}: {flags}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc)
+
+
+def stop_group(proc: subprocess.Popen | None) -> None:
+    """SIGTERM a router's process group, SIGKILL it if it has not gone in 10 s."""
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def smg_binary() -> str:
@@ -250,13 +255,7 @@ class Smg:
         raise TimeoutError(f"smg never saw {want}: {seen}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+        stop_group(self.proc)
 
 
 class Mesh:

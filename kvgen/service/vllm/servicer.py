@@ -43,6 +43,13 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self.kv_log = PrefixEventLog()
             prefix.listeners.append(self.kv_log)
 
+    async def _engine(self, context):
+        """The served engine (draining too), or the call aborted with the status why not."""
+        try:
+            return self.core._ready_or_draining()
+        except Exception as e:
+            await _abort(context, e)
+
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         self._last_request = time.time()
@@ -84,10 +91,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         return vllm_engine_pb2.HealthCheckResponse(healthy=True, message="serving")
 
     async def GetModelInfo(self, request, context):
-        try:
-            gen = self.core._ready_or_draining()
-        except Exception as e:
-            await _abort(context, e)
+        gen = await self._engine(context)
         cfg = gen.cfg
         bos = cfg.bos_token_id if cfg.bos_token_id is not None else -1
         return vllm_engine_pb2.GetModelInfoResponse(
@@ -101,10 +105,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             max_req_input_len=cfg.context_length)
 
     async def GetServerInfo(self, request, context):
-        try:
-            gen = self.core._ready_or_draining()
-        except Exception as e:
-            await _abort(context, e)
+        gen = await self._engine(context)
         sched = gen.scheduler
         return vllm_engine_pb2.GetServerInfoResponse(
             active_requests=len(sched.running) + len(sched.waiting), is_paused=self.core.draining,
@@ -113,10 +114,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             block_size=gen.pool.block_size, model_dtype=gen.model.weight_dtype, max_num_seqs=sched.max_running)
 
     async def GetLoads(self, request, context):
-        try:
-            gen = self.core._ready_or_draining()
-        except Exception as e:
-            await _abort(context, e)
+        gen = await self._engine(context)
         sched, pool, load = gen.scheduler, gen.pool, self.core.load
         kv, bs = sched.kv, pool.block_size
         hit_rate = 0.0
@@ -147,10 +145,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             yield common_pb2.GetTokenizerChunk(data=chunk, sha256=digest)
 
     async def SubscribeKvEvents(self, request, context):
-        try:
-            gen = self.core._ready_or_draining()
-        except Exception as e:
-            await _abort(context, e)
+        gen = await self._engine(context)
         if self.kv_log is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                                 "no prefix cache on this server (PREFIX_CACHE=0, or a sliding window): no KV events")
