@@ -26,7 +26,7 @@ serve: $(STAMP) $(STUBS)
 # no installs, builds in subprocesses, server processes or real-model tests (`heavy`).
 PYTEST_TIERS := not slow and not gpu
 test: $(STAMP) $(STUBS) test-deps
-	$(PY) -m pytest -q -n 2 --dist loadfile -m '$(PYTEST_TIERS) and not serial'
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 -m '$(PYTEST_TIERS) and not serial'
 	$(PY) -m pytest -q -m '$(PYTEST_TIERS) and serial'
 
 test-fast: $(STAMP) $(STUBS)
