@@ -4,6 +4,7 @@ parsed, so garbage from a caller without the key gets UNAUTHENTICATED, never a p
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 import grpc
@@ -52,3 +53,14 @@ def _deny(handler):
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(stream)
     return grpc.unary_unary_rpc_method_handler(unary)
+
+
+def caller_key(context) -> str:
+    """Who is calling, for session ownership and limits: the bearer token the auth interceptor
+    let through ("" without API keys), as a digest so no key is kept in memory."""
+    if context is None:
+        return ""
+    for k, v in context.invocation_metadata() or ():
+        if k == "authorization" and v.startswith("Bearer "):
+            return hashlib.sha256(v[7:].encode()).hexdigest()
+    return ""

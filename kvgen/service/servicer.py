@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, aclosing, nullcontext
@@ -17,8 +16,9 @@ from kvgen.engine.sequence import Event
 from kvgen.engine.session import Session
 from kvgen.errors import Cancelled, InvalidRequest, NotFound, Overloaded, Unavailable
 from kvgen.service import convert, lora_admin, routing, tracing
+from kvgen.service.auth import caller_key
 from kvgen.service.control import InFlight
-from kvgen.service.errors import abort, clip, to_status
+from kvgen.service.errors import clip, to_status
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
@@ -45,7 +45,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         """Run one request through the engine, yielding its events; leaving early cancels it.
         The current span (the RPC's, or a batch entry's) gets the GenAI attributes."""
         span = trace.get_current_span()
-        key = _caller_key(context)
+        key = caller_key(context)
         routing.check_agrees(req.session_id, context)  # the mesh routed this call by its metadata
         if not span.is_recording():
             async with aclosing(self._request_events(req, request_id, key)) as events:
@@ -110,7 +110,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             result = await self._collect(request, request_id, context=context)
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         return convert.response(result, request_id, self.gen.tokenizer)
 
     async def _collect(self, request, request_id, batched: bool = False, context=None) -> list[Event]:
@@ -129,13 +129,13 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 async for ev in events:
                     yield convert.stream_message(ev, request_id, self.gen.tokenizer)
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
 
     async def BatchGenerate(self, request, context):
         try:
             self._ready()
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         ids = [r.request_id or uuid.uuid4().hex for r in request.requests]
         # Every request is submitted before any is awaited, so the scheduler batches them.
         outcomes = await asyncio.gather(*(self._collect(r, i, batched=True, context=context)
@@ -155,7 +155,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             self._ready()
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         ids = [r.request_id or uuid.uuid4().hex for r in request.requests]
         # Each entry runs in a task of its own, all started before any is read, so the scheduler
         # batches them; leaving (the call cancelled, its deadline past) cancels every entry.
@@ -175,7 +175,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             gen = self._ready()
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         cfg = gen.cfg
         runner, model = gen.engine.runner, gen.model
         layout = dict(layer_windows=[layer.window or runner.window for layer in model.layers],
@@ -196,14 +196,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     async def CreateSession(self, request, context):
         try:
             gen = self._ready()
-            key = _caller_key(context)
+            key = caller_key(context)
             per_key = gen.options.max_sessions_per_key
             if key and per_key and sum(k == key for k in self.owners.values()) >= per_key:
                 raise Overloaded(f"{per_key} sessions already open with this API key (MAX_SESSIONS_PER_KEY)",
                                  retry_after=5.0)
             s = gen.new_session(routing.new_session_id(request.session_id, context), adapter=request.adapter)
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         self.owners[s.session_id] = key
         return pb.CreateSessionResponse(session_id=s.session_id, ttl_seconds=int(gen.options.session_ttl_s))
 
@@ -213,7 +213,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             bad = convert.session_id_violations(request.session_id)
             if bad:
                 raise InvalidRequest(bad)
-            self._session(gen, request.session_id, _caller_key(context))
+            self._session(gen, request.session_id, caller_key(context))
             self.owners.pop(request.session_id, None)
             loop = asyncio.get_running_loop()
             freed = loop.create_future()
@@ -222,22 +222,22 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 raise NotFound(f"no session {clip(request.session_id)!r}")  # closed meanwhile
             await freed  # the reply says the blocks are back in the pool
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         return pb.CloseSessionResponse()
 
     async def Abort(self, request, context):
         try:
             self._ready_or_draining()  # a draining server may still be asked to end its streams
-            aborted, unknown = await self.inflight.abort(_caller_key(context), list(request.request_ids))
+            aborted, unknown = await self.inflight.abort(caller_key(context), list(request.request_ids))
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         return pb.AbortResponse(aborted=aborted, unknown=unknown)
 
     async def GetLoad(self, request, context):
         try:
             self._ready_or_draining()  # a router asks a draining server too: `accepting` tells it
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         out = self.load.snapshot(accepting=not self.draining)
         out.adapters.extend(convert.lora_adapters(self.gen))
         return out
@@ -263,7 +263,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             gen = self._ready()
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         if not lora_admin.is_admin(self.settings, context.invocation_metadata()):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, lora_admin.NOT_ADMIN)
         return gen
@@ -339,23 +339,4 @@ def _settle(fut: asyncio.Future) -> None:
         fut.set_result(None)
 
 
-def _caller_key(context) -> str:
-    """Who is calling, for session ownership and limits: the bearer token the auth interceptor
-    let through ("" without API keys), as a digest so no key is kept in memory."""
-    if context is None:
-        return ""
-    for k, v in context.invocation_metadata() or ():
-        if k == "authorization" and v.startswith("Bearer "):
-            return hashlib.sha256(v[7:].encode()).hexdigest()
-    return ""
-
-
 _NO_SPAN = nullcontext()
-
-
-async def _abort(context, e: Exception):
-    """abort() with the status also on the RPC's span (the interceptor can't see abort_with_status)."""
-    span = trace.get_current_span()
-    if span.is_recording():
-        tracing.record_error(span, e, rpc=True)
-    await abort(context, e)

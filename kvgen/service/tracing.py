@@ -44,7 +44,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from kvgen.engine.kv.record import KVInfo, KVRecord, KVRecorder
 from kvgen.engine.sequence import FinishReason, Sequence
-from kvgen.service.errors import to_status
+from kvgen.service.errors import abort, to_status
 from kvgen.service.metrics import FINISH_REASONS
 
 log = logging.getLogger("kvgen.tracing")
@@ -253,3 +253,11 @@ def record_error(span, e: BaseException, rpc: bool = False, code: str | None = N
     if rpc:
         span.set_attribute("rpc.grpc.status_code", code_pb2.Code.Value(code))
     span.set_status(Status(StatusCode.ERROR, str(e) or code))
+
+
+async def abort_rpc(context, e: Exception):
+    """errors.abort() with the status also on the RPC's span (the interceptor can't see abort_with_status)."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        record_error(span, e, rpc=True)
+    await abort(context, e)

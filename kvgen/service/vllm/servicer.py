@@ -16,8 +16,9 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 
 from kvgen.engine.kv.events import PrefixEventLog
 from kvgen.engine.sequence import Event, FinishReason
-from kvgen.service import control
-from kvgen.service.servicer import GeneratorServicer, _abort, _caller_key
+from kvgen.service import control, tracing
+from kvgen.service.auth import caller_key
+from kvgen.service.servicer import GeneratorServicer
 from kvgen.service.vllm import kv_events, tokenizer
 from kvgen.service.vllm.sampling import to_kvgen
 
@@ -48,7 +49,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         try:
             return self.core._ready_or_draining()
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
 
     async def Generate(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
@@ -70,7 +71,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
                     if ev.finish_reason is not None:
                         yield vllm_engine_pb2.GenerateResponse(complete=_complete(total, eos))
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
 
     async def Abort(self, request, context):
         ids = list(request.request_ids)
@@ -78,9 +79,9 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self.core._ready_or_draining()
             if ids:
                 control.check_abort(request)
-                await self.core.inflight.abort(_caller_key(context), ids)
+                await self.core.inflight.abort(caller_key(context), ids)
         except Exception as e:
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         return vllm_engine_pb2.AbortResponse()
 
     async def HealthCheck(self, request, context):
@@ -140,7 +141,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             data, sha256 = await asyncio.shield(self._bundle)
         except Exception as e:
             self._bundle = None
-            await _abort(context, e)
+            await tracing.abort_rpc(context, e)
         for chunk, digest in tokenizer.chunks(data, sha256):
             yield common_pb2.GetTokenizerChunk(data=chunk, sha256=digest)
 
