@@ -31,7 +31,7 @@ from numba.extending import intrinsic
 
 from kvgen.cpu import vector_matmul
 from kvgen.cpu.llvm_ir import FLOATS, I8, I32, INTS, add_all, arguments, i64, splat, vector
-from kvgen.cpu.vector_matmul import PARTS, TILE
+from kvgen.cpu.vector_matmul import F16, F16_MIN, LAYOUTS, PARTS, SUB, SUB_MIN, TILE
 
 # Rows from which a call takes the tiles: below that the vector kernels' 4-row passes cost less
 # than a 16-row tile pass padded with unused rows. Measured over a SmolLM2 layer's Q4_1 matmuls,
@@ -137,17 +137,19 @@ def _unpack(kind: str):
     return unpack
 
 
-def _tile_pass(kind: str, width: int):
+def _tile_pass(kind: str, layout: int, width: int):
     """An intrinsic: the output columns of `width` consecutive weight tiles (their B tiles one after
     the other in b) for activation rows r0 .. r0 + 15 (those below `rows`): y[r, c] = sum over
     blocks g of d[c, g] (dx[r, g] dot[r, c, g]) + m[c, g] xs[r, g], as vector_matmul._tile_linear
-    computes it, the dots from the tiles. Two tiles a pass share the A tiles, and their four
-    products are independent: one pass's tile instructions wait less on each other's results."""
-    names = ("b", "groups", "a", "r0", "rows", "dx", "xs", "d", "m", "dbase", "y", "ybase", "ystride", "c")
+    computes it (d and m from the scales' bytes by the same vector_matmul.block_scales), the dots
+    from the tiles. Two tiles a pass share the A tiles, and their four products are independent:
+    one pass's tile instructions wait less on each other's results. at: the first tile's first
+    scale byte; stride: a tile's scale bytes."""
+    names = ("b", "groups", "a", "r0", "rows", "dx", "xs", "scales", "at", "stride", "y", "ybase", "ystride", "c")
 
     @intrinsic
-    def tile_pass(typingctx, b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c):
-        sig = types.void(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+    def tile_pass(typingctx, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c):
+        sig = types.void(b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)
 
         def codegen(context, builder, signature, args):
             a = arguments(context, builder, signature, args, names)
@@ -180,10 +182,8 @@ def _tile_pass(kind: str, width: int):
                     _amx(builder, "tilestored64", _tile(lo), builder.gep(c, [i64(2048 * w)]), i64(64))
                     _amx(builder, "tilestored64", _tile(hi), builder.gep(c, [i64(2048 * w + 1024)]), i64(64))
                 for w in range(width):
-                    col = (a["dbase"], builder.mul(builder.add(g, builder.mul(a["groups"], i64(w))), i64(TILE)))
-                    dv = builder.load(builder.bitcast(at(a["d"], *col), FLOATS.as_pointer()), align=4)
-                    mv = builder.load(builder.bitcast(at(a["m"], *col), FLOATS.as_pointer()), align=4) \
-                        if kind == "q4" else None
+                    tile_at = builder.add(a["at"], builder.mul(a["stride"], i64(w)))
+                    ((dv, mv),) = vector_matmul.block_scales(builder, kind, layout, a["scales"], tile_at, g, 0)
                     for i in range(_ROWS):
                         lo_dot = builder.load(builder.gep(ints, [i64(2 * _ROWS * w + i)]), align=64)
                         hi_dot = builder.load(builder.gep(ints, [i64(2 * _ROWS * w + _ROWS + i)]), align=64)
@@ -209,9 +209,25 @@ def _tile_pass(kind: str, width: int):
     return tile_pass
 
 
+def _passes_of(kind: str, layout: int):
+    """A pass of one or two weight tiles for one kind and scale layout (Numba cannot pick an
+    intrinsic from a tuple: the choice is spelled out)."""
+    one, two = _tile_pass(kind, layout, 1), _tile_pass(kind, layout, 2)
+
+    @njit(nogil=True, inline="always")
+    def passes(both, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c):  # pragma: no cover
+        if both:
+            two(b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)
+        else:
+            one(b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)
+
+    return passes
+
+
 _unpack_q4, _unpack_q8 = _unpack("q4"), _unpack("q8")
-_pass_q4, _pass_q8 = _tile_pass("q4", 1), _tile_pass("q8", 1)
-_pass2_q4, _pass2_q8 = _tile_pass("q4", 2), _tile_pass("q8", 2)
+# the layouts of the kinds with tiles (vector_matmul.LAYOUTS)
+_pass_q4_f16, _pass_q4_f16_min, _pass_q4_sub_min = (_passes_of("q4", layout) for layout in LAYOUTS["q4"])
+_pass_q8_f16, _pass_q8_sub = (_passes_of("q8", layout) for layout in LAYOUTS["q8"])
 _CONFIG = tile_config()
 
 
@@ -250,30 +266,33 @@ def split(xq):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
+def q4_matmul(xq, dx, xs, qs, scales, layout, y):  # pragma: no cover - compiled
     """vector_matmul.q4_matmul on tiles (same arguments, same bits)."""
-    vector_matmul.check_shapes(xq, dx, qs, 8, d, y)
-    vector_matmul.check_shapes(xq, xs, qs, 8, m, y)
-    tile_matmul(True, xq, dx, xs, qs, d, m, y)
+    vector_matmul.check_shapes(xq, dx, qs, 8, 1, scales, layout, y)
+    vector_matmul._check_sums(xs, dx, 1)
+    if layout != F16 and layout != F16_MIN and layout != SUB_MIN:
+        vector_matmul._bad_layout()
+    tile_matmul(True, layout, xq, dx, xs, qs, scales, y)
 
 
 @njit(cache=True, nogil=True)
-def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
+def q8_matmul(xq, dx, qs, scales, layout, y):  # pragma: no cover - compiled
     """vector_matmul.q8_matmul on tiles (same arguments, same bits)."""
-    vector_matmul.check_shapes(xq, dx, qs, 16, d, y)
-    tile_matmul(False, xq, dx, dx, qs, d, d, y)  # Q8_0 has no m: its xs and m are never read
+    vector_matmul.check_shapes(xq, dx, qs, 16, 1, scales, layout, y)
+    if layout != F16 and layout != SUB:
+        vector_matmul._bad_layout()
+    tile_matmul(False, layout, xq, dx, dx, qs, scales, y)  # q8 has no m: its xs are never read
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def tile_matmul(q4, xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
+def tile_matmul(q4, layout, xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
     """The weight tiles cut in runs, one a thread; each run TILES_AT_ONCE tiles at a time, unpacked,
     then every row block through them, two tiles a pass."""
     rows = xq.shape[0]
     tiles, groups = qs.shape[0], qs.shape[1]
     tiles_a = split(xq)
-    codes, dxf, xsf, df, mf, yf = qs.reshape(-1), dx.reshape(-1), xs.reshape(-1), d.reshape(-1), m.reshape(-1), \
-        y.reshape(-1)
-    per_tile, per_b = codes.size // tiles, groups * 512
+    codes, dxf, xsf, sf, yf = qs.reshape(-1), dx.reshape(-1), xs.reshape(-1), scales.reshape(-1), y.reshape(-1)
+    per_tile, per_b, per_scales = codes.size // tiles, groups * 512, sf.size // tiles
     parts = min(tiles, PARTS)
     for part in prange(parts):
         b, c = np.empty(TILES_AT_ONCE * per_b + 64, np.int8), np.empty(4 * _ROWS * TILE + 16, np.int32)
@@ -290,19 +309,22 @@ def tile_matmul(q4, xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
             for r0 in range(0, rows, _ROWS):
                 for j in range(0, n, 2):
                     t = t0 + j
-                    _pass(q4, n - j >= 2, b[j * per_b:], groups, tiles_a, r0, rows, dxf, xsf, df, mf,
-                          t * groups * TILE, yf, t * TILE, y.shape[1], c)
+                    _pass(q4, layout, n - j >= 2, b[j * per_b:], groups, tiles_a, r0, rows, dxf, xsf, sf,
+                          t * per_scales, per_scales, yf, t * TILE, y.shape[1], c)
         _release()
 
 
 @njit(nogil=True, inline="always")
-def _pass(q4, two, b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c):  # pragma: no cover
-    """Numba cannot pick an intrinsic from a tuple: the variants spelled out."""
-    if q4 and two:
-        _pass2_q4(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+def _pass(q4, layout, two, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride,
+          c):  # pragma: no cover
+    """The pass of the kind and layout (Numba cannot pick an intrinsic from a tuple)."""
+    if q4 and layout == F16:
+        _pass_q4_f16(two, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)
+    elif q4 and layout == F16_MIN:
+        _pass_q4_f16_min(two, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)
     elif q4:
-        _pass_q4(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
-    elif two:
-        _pass2_q8(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+        _pass_q4_sub_min(two, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)
+    elif layout == F16:
+        _pass_q8_f16(two, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)
     else:
-        _pass_q8(b, groups, a, r0, rows, dx, xs, d, m, dbase, y, ybase, ystride, c)
+        _pass_q8_sub(two, b, groups, a, r0, rows, dx, xs, scales, at, stride, y, ybase, ystride, c)

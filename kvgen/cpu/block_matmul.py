@@ -18,46 +18,46 @@ AMX = features.AMX
 
 
 @njit(cache=True, nogil=True)
-def q4_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
-    """y = x W^T for a Q4_0 / Q4_1 weight in blocks: x rounded to int16 into room (a scratch),
-    then the block kernels: AMX tiles for AMX_FROM rows or more where the CPU has them, else the
-    vector kernels (the same bits)."""
+def q4_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
+    """y = x W^T for a Q4_0 / Q4_1 / Q4_K weight in blocks (scales in vector_matmul's `layout`): x
+    rounded to int16 into room (a scratch), then the block kernels: AMX tiles for AMX_FROM rows or
+    more where the CPU has them, else the vector kernels (the same bits)."""
     xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
-        amx_matmul.q4_matmul(xq, dx, xs, qs, d, m, y)
+        amx_matmul.q4_matmul(xq, dx, xs, qs, scales, layout, y)
     else:
-        vector_matmul.q4_matmul(xq, dx, xs, qs, d, m, y)
+        vector_matmul.q4_matmul(xq, dx, xs, qs, scales, layout, y)
 
 
 @njit(cache=True, nogil=True)
-def q8_linear(x, qs, d, y, room):  # pragma: no cover - compiled
-    """y = x W^T for a Q8_0 weight in blocks (as q4_linear)."""
+def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
+    """y = x W^T for a Q8_0 / Q5_0 / IQ4_NL / IQ4_XS weight in blocks (as q4_linear)."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
-        amx_matmul.q8_matmul(xq, dx, qs, d, y)
+        amx_matmul.q8_matmul(xq, dx, qs, scales, layout, y)
     else:
-        vector_matmul.q8_matmul(xq, dx, qs, d, y)
+        vector_matmul.q8_matmul(xq, dx, qs, scales, layout, y)
 
 
 # The kinds below have no tile kernels: they run on the vector kernels at every row count.
 
 @njit(cache=True, nogil=True)
-def q8m_linear(x, qs, d, m, y, room):  # pragma: no cover - compiled
+def q8m_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     """y = x W^T for int8 codes with a scale and a minimum per block (Q5_1, Q5_K)."""
     xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
-    vector_matmul.q8m_matmul(xq, dx, xs, qs, d, m, y)
+    vector_matmul.q8m_matmul(xq, dx, xs, qs, scales, layout, y)
 
 
 @njit(cache=True, nogil=True)
-def q8h_linear(x, qs, d, y, room):  # pragma: no cover - compiled
+def q8h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
     """y = x W^T for int8 codes with a scale per 16 inputs (Q6_K, Q3_K)."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
-    vector_matmul.q8h_matmul(xq, dx, qs, d, y)
+    vector_matmul.q8h_matmul(xq, dx, qs, scales, y)
 
 
 @njit(cache=True, nogil=True)
-def q8hm_linear(x, qs, d, m, y, room, sums):  # pragma: no cover - compiled
+def q8hm_linear(x, qs, scales, y, room, sums):  # pragma: no cover - compiled
     """y = x W^T for int8 codes with a scale and a minimum per 16 inputs (Q2_K); sums: a flat
     float32 scratch of M K / 16 for x's sums per 16 inputs."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
-    vector_matmul.q8hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, d, m, y)
+    vector_matmul.q8hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, scales, y)

@@ -111,13 +111,14 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
 
 
 # A weight's parts (decode step's `table`: every matrix part a row of int64 fields): its kind of
-# blocks (weight_blocks.BLOCK_TYPES; NONE ends a linear's list of parts), where its codes and
-# scales start in the flat buffers of `weights` (codes in the uint8 buffer for q4, the int8 one for
-# the others; d and m in the float32 one), its tiles of TILE output rows and blocks of 32 inputs,
-# and the output columns it fills (a fused q|k|v whose v is another kind: its parts side by side).
+# blocks (weight_blocks.BLOCK_TYPES; NONE ends a linear's list of parts), where its codes start in
+# the flat buffers of `weights` (the uint8 buffer for q4, the int8 one for the others) and its
+# scales in the byte buffer, their layout (vector_matmul's F16 .. SUB_MIN), its tiles of TILE output
+# rows and blocks of 32 inputs, and the output columns it fills (a fused q|k|v whose v is another
+# kind: its parts side by side).
 NONE, Q4, Q8, Q8M, Q8H, Q8HM = -1, 0, 1, 2, 3, 4
 KINDS = {"q4": Q4, "q8": Q8, "q8m": Q8M, "q8h": Q8H, "q8hm": Q8HM}
-KIND, CODES, D, M, TILES, GROUPS, COL, WIDTH = range(8)
+KIND, CODES, SCALES, LAYOUT, TILES, GROUPS, COL, WIDTH = range(8)
 FIELDS = 8
 
 
@@ -126,28 +127,23 @@ def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
     """y = x W^T for the part of table row p (its whole tiles: y has tiles * TILE columns), on the
     kernel of its kind, over views of the flat buffers shaped as BlockLinear holds them."""
     codes4, codes8, scales = weights
-    tiles, groups, at, dat, mat = p[TILES], p[GROUPS], p[CODES], p[D], p[M]
-    n = tiles * groups * vector_matmul.TILE  # scales: one per block and output row (two for q8h, q8hm)
+    tiles, groups, at, sat, layout = p[TILES], p[GROUPS], p[CODES], p[SCALES], p[LAYOUT]
+    supers, per = vector_matmul.scale_shape(layout, 2 if kind == Q8H or kind == Q8HM else 1, groups)
+    sc = scales[sat:sat + tiles * supers * per].reshape((tiles, supers, per))
+    n = tiles * groups * vector_matmul.TILE  # (block, output row) pairs
     if kind == Q4:
         qs = codes4[at:at + n * 16].reshape((tiles, groups, 8, vector_matmul.TILE, 2))
-        d = scales[dat:dat + n].reshape((tiles, groups, vector_matmul.TILE))
-        m = scales[mat:mat + n].reshape((tiles, groups, vector_matmul.TILE))
-        block_matmul.q4_linear(x, qs, d, m, y, room)
+        block_matmul.q4_linear(x, qs, sc, layout, y, room)
         return
     qs = codes8[at:at + n * 32].reshape((tiles, groups, 16, vector_matmul.TILE, 2))
     if kind == Q8:
-        block_matmul.q8_linear(x, qs, scales[dat:dat + n].reshape((tiles, groups, vector_matmul.TILE)), y, room)
+        block_matmul.q8_linear(x, qs, sc, layout, y, room)
     elif kind == Q8M:
-        d = scales[dat:dat + n].reshape((tiles, groups, vector_matmul.TILE))
-        m = scales[mat:mat + n].reshape((tiles, groups, vector_matmul.TILE))
-        block_matmul.q8m_linear(x, qs, d, m, y, room)
+        block_matmul.q8m_linear(x, qs, sc, layout, y, room)
     elif kind == Q8H:
-        block_matmul.q8h_linear(x, qs, scales[dat:dat + 2 * n].reshape((tiles, groups, 2, vector_matmul.TILE)), y,
-                                room)
+        block_matmul.q8h_linear(x, qs, sc, y, room)
     else:
-        d = scales[dat:dat + 2 * n].reshape((tiles, groups, 2, vector_matmul.TILE))
-        m = scales[mat:mat + 2 * n].reshape((tiles, groups, 2, vector_matmul.TILE))
-        block_matmul.q8hm_linear(x, qs, d, m, y, room, sums)
+        block_matmul.q8hm_linear(x, qs, sc, y, room, sums)
 
 
 @njit(cache=True, nogil=True)

@@ -13,7 +13,9 @@ from kvgen.cpu.features import FEATURES, LANES
 I8, I16, I32, I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 BYTES, WORDS = ir.VectorType(I8, 2 * LANES), ir.VectorType(I16, 2 * LANES)  # 2 LANES bytes / int16s
 INTS, FLOATS = ir.VectorType(I32, LANES), ir.VectorType(ir.FloatType(), LANES)  # LANES int32s / floats
+HALF_BITS, SMALL = ir.VectorType(I16, LANES), ir.VectorType(I8, LANES)  # LANES fp16s (their bits) / int8s
 FMA = "+fma" in FEATURES.split(",")
+F16C = "+f16c" in FEATURES.split(",")  # vcvtph2ps: fp16 -> fp32 (every AVX2 CPU has it)
 
 
 def vector(ty, values):
@@ -35,6 +37,21 @@ def broadcast(builder, x, ty=FLOATS):
 def splat(builder, ptr):
     """The float at ptr in every lane."""
     return broadcast(builder, builder.load(ptr))
+
+
+def halves_to_floats(builder, bits):
+    """LANES fp16 values (their bits, a HALF_BITS vector) as floats, exactly: one vcvtph2ps where the
+    CPU has F16C. Elsewhere integer arithmetic: LLVM lowers a half's fpext there to a library call
+    (__extendhfsf2) that Numba's JIT does not link (the process segfaults). The magnitude's bits
+    shifted to a float32's places read 2^-112 of the value (a subnormal half, a subnormal float32:
+    exact either way), times 2^112, then the sign; a weight's scales hold no inf or NaN."""
+    if F16C:
+        return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), LANES)), FLOATS)
+    w = builder.zext(bits, INTS)
+    magnitude = builder.shl(builder.and_(w, vector(I32, [0x7FFF] * LANES)), vector(I32, [13] * LANES))
+    f = builder.fmul(builder.bitcast(magnitude, FLOATS), vector(ir.FloatType(), [2.0 ** 112] * LANES))
+    sign = builder.shl(builder.and_(w, vector(I32, [0x8000] * LANES)), vector(I32, [16] * LANES))
+    return builder.bitcast(builder.or_(builder.bitcast(f, INTS), sign), FLOATS)
 
 
 def add_all(builder, terms):

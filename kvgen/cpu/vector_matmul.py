@@ -1,5 +1,6 @@
 """Numba CPU kernels: y = x W^T with W in GGUF's own blocks (Q4_0 / Q4_1 / Q8_0, and the other types
-weight_blocks.BLOCK_TYPES lists, as the codes and float32 scales that reproduce them exactly).
+weight_blocks.BLOCK_TYPES lists, as integer codes and the file's own fp16 and int8 scales, which
+reproduce them exactly).
 
 At batch 1 a decode step reads every weight once, so its speed is the weights' bytes over the
 memory bandwidth, if the multiply keeps up: Q4_1 is 5 bits a weight against fp32's 32. Converting
@@ -26,8 +27,26 @@ broadcast:
     q8m: q8's codes; value = d * q + m (Q5_1, Q5_K: 5-bit codes with a minimum)
     q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (Q6_K, Q3_K)
     q8hm: q8h with a minimum per 16 inputs too: value = d[h] * q + m[h] (Q2_K)
-    d, m: [N/TILE, G, TILE] float32 ([N/TILE, G, 2, TILE] for q8h, q8hm);  xq [M, K] int16;
-    dx, xs [M, G] float32 (xs [M, 2G] for q8hm: per 16 inputs);  y [M, N] float32
+    xq [M, K] int16;  dx, xs [M, G] float32 (xs [M, 2G] for q8hm: per 16 inputs);  y [M, N] float32
+
+The scales d, m are held as the file holds them, one flat byte array a weight, scales
+[N/TILE, S, bytes] uint8, in one of four layouts (`layout`, LAYOUTS says which a kind takes). Per
+tile and per super-block s (S of them: a block of 32 for F16 / F16_MIN, SUPER blocks, 256 inputs,
+for SUB / SUB_MIN), the TILE rows':
+
+    F16      fp16 d [TILE]                        Q8_0, Q5_0, IQ4_NL; Q4_0 (m = -8 d, not held)
+    F16_MIN  fp16 d [TILE], fp16 m [TILE]         Q4_1, Q5_1
+    SUB      fp16 D [TILE], int8 a [SUPER, H, TILE]                              IQ4_XS, Q6_K, Q3_K
+    SUB_MIN  fp16 D [TILE], fp16 M [TILE], int8 a [SUPER, H, TILE], int8 b [SUPER, H, TILE]
+                                                                                  Q4_K, Q5_K, Q2_K
+
+(H: 1 scale a block, 2 for q8h, q8hm.) For SUB and SUB_MIN, block j of the super-block has
+d = D a[j] and m = M b[j] (M: the file's -dmin): fp16 times int8 is at most 11 + 8 significant
+bits, exact in float32, so the kernels compute (`block_scales`: vcvtph2ps, vpmovsxbd, vcvtdq2ps, a
+multiply) the very float gguf-py's dequantize uses and weight_blocks held as a float32 per block
+before: the same outputs, bit for bit, from 4.625 bits a Q4_K weight instead of 6 (4.5 in the
+file; Q4_0 4.5 and Q4_1 5, the file's own). Where the CPU has no F16C the fp16s widen by integer
+arithmetic (llvm_ir.halves_to_floats), the same floats.
 
 Every kind's epilogue is one expression per block, in this order: d[0] (dx dot[0]) (+ m[0] xs[0])
 (+ d[1] (dx dot[1]) (+ m[1] xs[1])), added to the row's sum; dot[h] is the exact integer dot of
@@ -74,14 +93,17 @@ from kvgen.cpu.features import LANES, PMADDWD, VNNI, WIDE
 from kvgen.cpu.llvm_ir import (
     BYTES,
     FLOATS,
+    HALF_BITS,
     I16,
     I32,
     I64,
     INTS,
+    SMALL,
     WORDS,
     add_all,
     arguments,
     broadcast,
+    halves_to_floats,
     i64,
     splat,
     vector,
@@ -127,24 +149,79 @@ def _pair(builder, x, index):
 KINDS = {"q4": (8, 1, True), "q8": (16, 1, False), "q8m": (16, 1, True), "q8h": (16, 2, False),
          "q8hm": (16, 2, True)}
 
+# How a weight's scales are held (the module docstring's layout): an fp16 d per block (F16), and an
+# fp16 m (F16_MIN); or an fp16 d per super-block of SUPER blocks times an int8 per block or half
+# (SUB), and the same for m (SUB_MIN). A kind with a minimum term and no m held is q4's Q4_0: m = -8 d.
+F16, F16_MIN, SUB, SUB_MIN = 0, 1, 2, 3
+SUPER = 8  # blocks of 32 in a K-quant's (and IQ4_XS's) super-block of 256 inputs
+# The layouts each kind has kernels for (weight_blocks.BLOCK_TYPES' types)
+LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q8": (F16, SUB), "q8m": (F16_MIN, SUB_MIN), "q8h": (SUB,),
+           "q8hm": (SUB_MIN,)}
 
-def _tile_linear(kind: str, rows: int):
+
+def _scale_shape(layout, halves, groups):
+    """(super-blocks, bytes a super-block holds for one tile) of a weight's scales: per tile and
+    super-block (one block for F16 / F16_MIN), TILE fp16 d, TILE fp16 m where held, then for SUB /
+    SUB_MIN the int8 scales [block, half, TILE] and, where m is held, its int8s the same way."""
+    mins = 2 if layout == F16_MIN or layout == SUB_MIN else 1
+    if layout == SUB or layout == SUB_MIN:
+        return groups // SUPER, mins * (2 * TILE + SUPER * halves * TILE)
+    return groups, mins * 2 * TILE
+
+
+scale_shape = njit(nogil=True, inline="always")(_scale_shape)
+
+
+def block_scales(builder, kind: str, layout: int, scales, at, g, lane: int) -> list:
+    """IR: block g's float32 scale and minimum vectors for LANES weight rows of a tile from its row
+    `lane`, [(d, m)] a scale of the block (two for q8h, q8hm: its halves; m None where the kind has
+    no minimum term). scales: the flat byte array's pointer; at: the tile's first byte (i64). A
+    sub-block's d = float(fp16) * float(int8): at most 11 + 8 significant bits, exact in float32, so
+    the same float gguf-py's dequantize multiplies by (weight_blocks.py)."""
+    _, halves, has_min = KINDS[kind]
+    held = layout in (F16_MIN, SUB_MIN)
+    sub = layout in (SUB, SUB_MIN)
+    _, per = _scale_shape(layout, halves, SUPER)
+    first = builder.add(at, builder.mul(builder.udiv(g, i64(SUPER)) if sub else g, i64(per)))
+
+    def load(ty, *offsets):
+        ptr = builder.gep(scales, [add_all(builder, [first, *offsets])])
+        return builder.load(builder.bitcast(ptr, ty.as_pointer()), align=1)
+
+    d = halves_to_floats(builder, load(HALF_BITS, i64(2 * lane)))
+    m = halves_to_floats(builder, load(HALF_BITS, i64(2 * (TILE + lane)))) if held else None
+    out = []
+    for h in range(halves):
+        dh, mh = d, m
+        if sub:  # the block's (or half's) int8s after the fp16s: [block j, half, TILE]
+            row = builder.mul(builder.urem(g, i64(SUPER)), i64(halves * TILE))
+            ints = 2 * TILE * (2 if held else 1) + h * TILE + lane
+            dh = builder.fmul(d, builder.sitofp(load(SMALL, row, i64(ints)), FLOATS))
+            if held:
+                mh = builder.fmul(m, builder.sitofp(load(SMALL, row, i64(ints + SUPER * halves * TILE)), FLOATS))
+        if has_min and not held:  # Q4_0
+            mh = builder.fmul(dh, vector(ir.FloatType(), [-8.0] * LANES))
+        out.append((dh, mh if has_min else None))
+    return out
+
+
+def _tile_linear(kind: str, layout: int, rows: int):
     """An intrinsic: y[r, c] = sum over blocks g of d[c, g] (dx[r, g] dots[r, c, g]) + m[c, g] xs[r, g]
     for `rows` activation rows r and the TILE weight rows c of one tile, where dots is a block's
     exact int32 dot product of codes and rounded activations (for a kind with a scale per 16
-    inputs, each half's own dot, scale and minimum, the halves added in order). The sum runs
-    over g in order, in registers, LANES weight rows at a time: each row's sum is the same
-    whatever the other rows.
+    inputs, each half's own dot, scale and minimum, the halves added in order), and d, m the
+    block's scales as block_scales expands them from `layout`. The sum runs over g in order, in
+    registers, LANES weight rows at a time: each row's sum is the same whatever the other rows.
     Arguments (arrays flat): codes, the tile's first code; groups; xq, row 0's first input, the
-    distance between activation rows; dx, xs, row 0's first block; d, m, the tile's first scale;
-    y, row 0's first output, the distance between output rows."""
+    distance between activation rows; dx, xs, row 0's first block; scales, the tile's first byte
+    of them; y, row 0's first output, the distance between output rows."""
     pairs, halves, has_min = KINDS[kind]
-    names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "d", "m", "dbase", "y", "ybase",
+    names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "scales", "at", "y", "ybase",
              "ystride")
 
     @intrinsic
-    def tile_linear(typingctx, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):
-        sig = types.void(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
+    def tile_linear(typingctx, codes, base, groups, xq, xbase, k, dx, xs, sbase, scales, at, y, ybase, ystride):
+        sig = types.void(codes, base, groups, xq, xbase, k, dx, xs, sbase, scales, at, y, ybase, ystride)
 
         def codegen(context, builder, signature, args):
             a = arguments(context, builder, signature, args, names)
@@ -178,13 +255,7 @@ def _tile_linear(kind: str, rows: int):
                                 chains[i][c] = _madd_add(builder, chains[i][c], w, _pair(builder, xs[i], p))
                     dots = [[add_all(builder, c)] if halves == 1 else [add_all(builder, c[:2]), add_all(builder, c[2:])]
                             for c in chains]
-                    scales = []
-                    for h in range(halves):
-                        col = (a["dbase"], builder.mul(g, i64(halves * TILE)), i64(h * TILE + cg * LANES))
-                        d = builder.load(builder.bitcast(at(a["d"], *col), FLOATS.as_pointer()), align=4)
-                        m = builder.load(builder.bitcast(at(a["m"], *col), FLOATS.as_pointer()), align=4) \
-                            if has_min else None
-                        scales.append((d, m))
+                    scales = block_scales(builder, kind, layout, a["scales"], a["at"], g, cg * LANES)
                     for i in range(rows):
                         block = (a["sbase"], builder.mul(a["groups"], i64(i)), g)
                         # d (dx dots) + m xs, in that order: plain fmul and fadd, which LLVM
@@ -209,11 +280,29 @@ def _tile_linear(kind: str, rows: int):
     return tile_linear
 
 
-_q4_1, _q4_2, _q4_3, _q4_4 = (_tile_linear("q4", n) for n in range(1, ROWS_AT_ONCE + 1))
-_q8_1, _q8_2, _q8_3, _q8_4 = (_tile_linear("q8", n) for n in range(1, ROWS_AT_ONCE + 1))
-_q8m_1, _q8m_2, _q8m_3, _q8m_4 = (_tile_linear("q8m", n) for n in range(1, ROWS_AT_ONCE + 1))
-_q8h_1, _q8h_2, _q8h_3, _q8h_4 = (_tile_linear("q8h", n) for n in range(1, ROWS_AT_ONCE + 1))
-_q8hm_1, _q8hm_2, _q8hm_3, _q8hm_4 = (_tile_linear("q8hm", n) for n in range(1, ROWS_AT_ONCE + 1))
+def _rows_of(kind: str, layout: int):
+    """A tile's pass over n <= ROWS_AT_ONCE activation rows for one kind and layout: Numba cannot
+    pick an intrinsic from a tuple, so the choice of _tile_linear's row variants is spelled out."""
+    one, two, three, four = (_tile_linear(kind, layout, n) for n in range(1, ROWS_AT_ONCE + 1))
+
+    @njit(nogil=True, inline="always")
+    def rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, scales, at, y, ybase, ystride):  # pragma: no cover
+        if n == 4:
+            four(codes, base, groups, xq, xbase, k, dx, xs, sbase, scales, at, y, ybase, ystride)
+        elif n == 3:
+            three(codes, base, groups, xq, xbase, k, dx, xs, sbase, scales, at, y, ybase, ystride)
+        elif n == 2:
+            two(codes, base, groups, xq, xbase, k, dx, xs, sbase, scales, at, y, ybase, ystride)
+        else:
+            one(codes, base, groups, xq, xbase, k, dx, xs, sbase, scales, at, y, ybase, ystride)
+
+    return rows
+
+
+_q4_f16, _q4_f16_min, _q4_sub_min = (_rows_of("q4", layout) for layout in LAYOUTS["q4"])
+_q8_f16, _q8_sub = (_rows_of("q8", layout) for layout in LAYOUTS["q8"])
+_q8m_f16_min, _q8m_sub_min = (_rows_of("q8m", layout) for layout in LAYOUTS["q8m"])
+_q8h_sub, _q8hm_sub_min = _rows_of("q8h", SUB), _rows_of("q8hm", SUB_MIN)
 
 
 # No fastmath in what follows: with it LLVM may fuse a multiply-add either way and reorder sums,
@@ -327,181 +416,147 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
     return sig, codegen
 
 
-# The rows of a call go ROWS_AT_ONCE at a time; Numba cannot pick an intrinsic from a tuple, so
-# the choice of variant is spelled out.
-
-
 @njit(nogil=True, inline="always")
-def _q4_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
-    if n == 4:
-        _q4_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 3:
-        _q4_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 2:
-        _q4_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    else:
-        _q4_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-
-
-@njit(nogil=True, inline="always")
-def _q8_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
-    if n == 4:
-        _q8_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 3:
-        _q8_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 2:
-        _q8_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    else:
-        _q8_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-
-
-@njit(nogil=True, inline="always")
-def _q8m_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
-    if n == 4:
-        _q8m_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 3:
-        _q8m_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 2:
-        _q8m_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    else:
-        _q8m_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-
-
-@njit(nogil=True, inline="always")
-def _q8h_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
-    if n == 4:
-        _q8h_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 3:
-        _q8h_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 2:
-        _q8h_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    else:
-        _q8h_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-
-
-@njit(nogil=True, inline="always")
-def _q8hm_rows(n, codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride):  # pragma: no cover
-    if n == 4:
-        _q8hm_4(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 3:
-        _q8hm_3(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    elif n == 2:
-        _q8hm_2(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-    else:
-        _q8hm_1(codes, base, groups, xq, xbase, k, dx, xs, sbase, d, m, dbase, y, ybase, ystride)
-
-
-@njit(nogil=True, inline="always")
-def check_shapes(xq, dx, qs, pairs, d, y):  # pragma: no cover - compiled
+def check_shapes(xq, dx, qs, pairs, halves, scales, layout, y):  # pragma: no cover - compiled
     """The intrinsics read and write through raw pointers: shapes and layouts are checked before,
     not trusted."""
     tiles, groups = qs.shape[0], qs.shape[1]
+    supers, per = scale_shape(layout, halves, groups)
     if qs.shape[2] != pairs or qs.shape[3] != TILE or qs.shape[4] != 2 or xq.shape[1] != groups * 32 \
-            or y.shape[1] < tiles * TILE or y.shape[0] != xq.shape[0] \
-            or dx.shape != (xq.shape[0], groups) or d.shape != (tiles, groups, TILE) \
+            or y.shape[1] < tiles * TILE or y.shape[0] != xq.shape[0] or dx.shape != (xq.shape[0], groups) \
+            or scales.shape != (tiles, supers, per) \
+            or supers * (SUPER if layout == SUB or layout == SUB_MIN else 1) != groups \
             or not (xq.flags.c_contiguous and dx.flags.c_contiguous and qs.flags.c_contiguous
-                    and d.flags.c_contiguous and y.flags.c_contiguous):
+                    and scales.flags.c_contiguous and y.flags.c_contiguous):
         raise ValueError("block matmul: mismatched shapes")
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def q4_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
-    rows, k = xq.shape
-    tiles, groups = qs.shape[0], qs.shape[1]
-    check_shapes(xq, dx, qs, 8, d, y)
-    check_shapes(xq, xs, qs, 8, m, y)
-    codes, xf, dxf, xsf, df, mf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
-        d.reshape(-1), m.reshape(-1), y.reshape(-1)
-    per_tile = codes.size // tiles
-    parts = min(tiles, PARTS)
-    for part in prange(parts):
-        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
-            # the tile's codes are read from memory once; the later rows find them in cache
-            for r0 in range(0, rows, ROWS_AT_ONCE):
-                _q4_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
-                         r0 * groups, df, mf, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def q8_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
-    rows, k = xq.shape
-    tiles, groups = qs.shape[0], qs.shape[1]
-    check_shapes(xq, dx, qs, 16, d, y)
-    codes, xf, dxf, df, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), d.reshape(-1), y.reshape(-1)
-    per_tile = codes.size // tiles
-    parts = min(tiles, PARTS)
-    for part in prange(parts):
-        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
-            for r0 in range(0, rows, ROWS_AT_ONCE):
-                _q8_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
-                         r0 * groups, df, df, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
-
-
-@njit(nogil=True, inline="always")
-def check_halves(xq, dx, qs, d, y):  # pragma: no cover - compiled
-    """check_shapes for int8 codes with a scale per 16 inputs: d [N/TILE, G, 2, TILE]."""
-    tiles, groups = qs.shape[0], qs.shape[1]
-    if qs.shape[2] != 16 or qs.shape[3] != TILE or qs.shape[4] != 2 or xq.shape[1] != groups * 32 \
-            or y.shape[1] < tiles * TILE or y.shape[0] != xq.shape[0] \
-            or dx.shape != (xq.shape[0], groups) or d.shape != (tiles, groups, 2, TILE) \
-            or not (xq.flags.c_contiguous and dx.flags.c_contiguous and qs.flags.c_contiguous
-                    and d.flags.c_contiguous and y.flags.c_contiguous):
+@njit(inline="always")
+def _check_sums(xs, dx, halves):  # pragma: no cover - compiled
+    """x's sums for the minimum terms: one a block (as dx), or one a half (q8hm)."""
+    if xs.shape != (dx.shape[0], halves * dx.shape[1]) or not xs.flags.c_contiguous:
         raise ValueError("block matmul: mismatched shapes")
 
 
+@njit(inline="always")
+def _bad_layout():  # pragma: no cover - compiled
+    raise ValueError("block matmul: no kernel for this kind's scale layout")
+
+
+# The matmuls: the weight's tiles cut in runs of consecutive tiles, one a thread; a tile's codes,
+# read from memory once, serve the rows ROWS_AT_ONCE at a time (the later rows find them in cache).
+# Arguments: xq [M, K] int16, dx (and xs) [M, K/32] float32 (quantize's), qs the codes, scales the
+# bytes of _scale_shape's layout [N/TILE, super-blocks, bytes], layout its name, y [M, >= N].
+
 @njit(parallel=True, cache=True, nogil=True)
-def q8m_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
-    """q8 codes with q4's minimum term (Q5_1, Q5_K): the arguments of q4_matmul."""
+def q4_matmul(xq, dx, xs, qs, scales, layout, y):  # pragma: no cover - compiled
+    """Q4_0 (F16), Q4_1 (F16_MIN), Q4_K (SUB_MIN)."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    check_shapes(xq, dx, qs, 16, d, y)
-    check_shapes(xq, xs, qs, 16, m, y)
-    codes, xf, dxf, xsf, df, mf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
-        d.reshape(-1), m.reshape(-1), y.reshape(-1)
-    per_tile = codes.size // tiles
+    check_shapes(xq, dx, qs, 8, 1, scales, layout, y)
+    _check_sums(xs, dx, 1)
+    if layout != F16 and layout != F16_MIN and layout != SUB_MIN:
+        _bad_layout()
+    codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
     parts = min(tiles, PARTS)
     for part in prange(parts):
         for t in range(part * tiles // parts, (part + 1) * tiles // parts):
             for r0 in range(0, rows, ROWS_AT_ONCE):
-                _q8m_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
-                          r0 * groups, df, mf, t * groups * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+                n, yat = min(ROWS_AT_ONCE, rows - r0), r0 * y.shape[1] + t * TILE
+                if layout == F16:
+                    _q4_f16(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
+                            t * per_scales, yf, yat, y.shape[1])
+                elif layout == F16_MIN:
+                    _q4_f16_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
+                                t * per_scales, yf, yat, y.shape[1])
+                else:
+                    _q4_sub_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
+                                t * per_scales, yf, yat, y.shape[1])
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def q8h_matmul(xq, dx, qs, d, y):  # pragma: no cover - compiled
-    """q8 codes with a scale per 16 inputs (Q6_K, Q3_K): d [N/TILE, G, 2, TILE]."""
+def q8_matmul(xq, dx, qs, scales, layout, y):  # pragma: no cover - compiled
+    """Q8_0, Q5_0, IQ4_NL (F16); IQ4_XS (SUB)."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    check_halves(xq, dx, qs, d, y)
-    codes, xf, dxf, df, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), d.reshape(-1), y.reshape(-1)
-    per_tile = codes.size // tiles
+    check_shapes(xq, dx, qs, 16, 1, scales, layout, y)
+    if layout != F16 and layout != SUB:
+        _bad_layout()
+    codes, xf, dxf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
     parts = min(tiles, PARTS)
     for part in prange(parts):
         for t in range(part * tiles // parts, (part + 1) * tiles // parts):
             for r0 in range(0, rows, ROWS_AT_ONCE):
-                _q8h_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
-                          r0 * groups, df, df, t * groups * 2 * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+                n, yat = min(ROWS_AT_ONCE, rows - r0), r0 * y.shape[1] + t * TILE
+                if layout == F16:
+                    _q8_f16(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf, r0 * groups, sf,
+                            t * per_scales, yf, yat, y.shape[1])
+                else:
+                    _q8_sub(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf, r0 * groups, sf,
+                            t * per_scales, yf, yat, y.shape[1])
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def q8hm_matmul(xq, dx, xs, qs, d, m, y):  # pragma: no cover - compiled
-    """q8h with a minimum per 16 inputs too (Q2_K): d, m [N/TILE, G, 2, TILE], xs [M, 2G] the
-    sums of x per 16 inputs (half_sums)."""
+def q8m_matmul(xq, dx, xs, qs, scales, layout, y):  # pragma: no cover - compiled
+    """q8 codes with q4's minimum term: Q5_1 (F16_MIN), Q5_K (SUB_MIN)."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    check_halves(xq, dx, qs, d, y)
-    check_halves(xq, dx, qs, m, y)
-    if xs.shape != (rows, 2 * groups) or not xs.flags.c_contiguous:
-        raise ValueError("block matmul: mismatched shapes")
-    codes, xf, dxf, xsf, df, mf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
-        d.reshape(-1), m.reshape(-1), y.reshape(-1)
-    per_tile = codes.size // tiles
+    check_shapes(xq, dx, qs, 16, 1, scales, layout, y)
+    _check_sums(xs, dx, 1)
+    if layout != F16_MIN and layout != SUB_MIN:
+        _bad_layout()
+    codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
     parts = min(tiles, PARTS)
     for part in prange(parts):
         for t in range(part * tiles // parts, (part + 1) * tiles // parts):
             for r0 in range(0, rows, ROWS_AT_ONCE):
-                _q8hm_rows(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
-                           r0 * groups, df, mf, t * groups * 2 * TILE, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+                n, yat = min(ROWS_AT_ONCE, rows - r0), r0 * y.shape[1] + t * TILE
+                if layout == F16_MIN:
+                    _q8m_f16_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
+                                 t * per_scales, yf, yat, y.shape[1])
+                else:
+                    _q8m_sub_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
+                                 t * per_scales, yf, yat, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
+    """q8 codes with a scale per 16 inputs (Q6_K, Q3_K): layout SUB, an int8 a half."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 16, 2, scales, SUB, y)
+    codes, xf, dxf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q8h_sub(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
+                         r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q8hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
+    """q8h with a minimum per 16 inputs too (Q2_K): layout SUB_MIN, xs [M, 2G] the sums of x per 16
+    inputs (half_sums)."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 16, 2, scales, SUB_MIN, y)
+    _check_sums(xs, dx, 2)
+    codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q8hm_sub_min(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
+                              r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
 
 
 @njit(cache=True, nogil=True)

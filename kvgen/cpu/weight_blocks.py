@@ -2,9 +2,10 @@
 
 A Q4_1 file holds every weight as 4-bit codes with an fp16 scale and minimum per 32 inputs;
 dequantized, that is exactly the fp32 matrix transformers (the oracle) runs. `WeightBlocks` keeps the
-codes as they are (rows can still be permuted and concatenated, which the model does to fuse
-q|k|v and gate|up), and `BlockLinear` multiplies fp32 activations by them with the Numba kernels
-in vector_matmul.py: a decode step reads 5 bits a weight instead of 32. The kernels round the
+codes and the scales as they are (fp16, and a K-quant's sub-block scales as int8; rows can still be
+permuted and concatenated, which the model does to fuse q|k|v and gate|up), and `BlockLinear`
+multiplies fp32 activations by them with the Numba kernels in vector_matmul.py: a decode step
+reads 5 bits a weight instead of 32 (a Q4_K one 4.625, its file 4.5). The kernels round the
 activations to int16 per block of 32 (2^-16 of the block's largest), so the output is the fp32
 matmul's to about 1e-4, where llama.cpp's 8-bit activations lose 2^-8.
 
@@ -30,10 +31,12 @@ from kvgen.cpu.vector_matmul import TILE
 
 GROUP = 32
 # The single table of which GGUF types run on which kind of blocks: type: (kind, bytes per block,
-# inputs per block). Every weight's value is its integer code times float32 scales, exactly what
-# gguf-py's dequantize gives (a K-quant's 6-bit or int8 sub-block scale times its fp16 d is exact
-# in float32):
-#   q4    nibbles, d and m per 32: Q4_0 (m = -8 d), Q4_1, Q4_K (d sc, -dmin mn)
+# inputs per block). Every weight's value is its integer code times its block's scale (plus its
+# minimum), exactly what gguf-py's dequantize gives, and every scale is held as the file holds it:
+# an fp16 per block of 32 (the types of 32-input blocks), or a K-quant's (and IQ4_XS's) fp16 per
+# super-block of 256 and its int8 sub-block scales (the file's 6-bit, 4-bit or int8 ones); the
+# kernels multiply the two, fp16 x int8 being exact in float32 (vector_matmul.block_scales):
+#   q4    nibbles, d and m per 32: Q4_0 (m = -8 d, not held), Q4_1, Q4_K (d sc, -dmin mn)
 #   q8    int8 codes, d per 32: Q8_0, Q5_0 (q - 16), IQ4_NL (its table's value), IQ4_XS (d (ls - 32))
 #   q8m   int8 codes, d and m per 32: Q5_1, Q5_K
 #   q8h   int8 codes, d per 16: Q6_K (q - 32), Q3_K (q - 4 where the high bit is clear)
@@ -47,11 +50,12 @@ BLOCK_TYPES = {
 }
 # IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+SUPER = vector_matmul.SUPER  # blocks of 32 a super-block of 256 inputs holds
 
 
 def _f16(b: np.ndarray, at: int) -> np.ndarray:
-    """The fp16 at byte `at` of every block, as float32."""
-    return b[..., at:at + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    """The fp16 at byte `at` of every block."""
+    return b[..., at:at + 2].copy().view(np.float16)[..., 0]
 
 
 def _nibbles(qs: np.ndarray) -> np.ndarray:
@@ -65,49 +69,49 @@ def _bits(qh: np.ndarray, shifts, width: int) -> np.ndarray:
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> (sc, mn) [..., 8] (get_scale_min_k4)."""
+    """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> (sc, mn) [..., 8] int8 (get_scale_min_k4)."""
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
     sc = np.concatenate((d & 63, (md & 15) | ((d >> 2) & 48)), -1)
     mn = np.concatenate((m & 63, (md >> 4) | ((m >> 2) & 48)), -1)
-    return sc.astype(np.float32), mn.astype(np.float32)
+    return sc.astype(np.int8), mn.astype(np.int8)
 
 
-def _parse(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
-    """b [N, S, block bytes] -> (d, m or None, codes [N, S * inputs per block] in input order):
-    d, m [N, G] float32 per 32 inputs, or [N, G, 2] per 16 (their first and second halves)."""
+def _parse(type_name: str, b: np.ndarray) -> tuple:
+    """b [N, S, block bytes] -> (d, m, ds, ms, codes [N, S * inputs per block] in input order):
+    d, m [N, S] fp16 per block (m None where the type has none); for the types of 256-input
+    super-blocks d and m (-dmin) per super-block, and ds, ms their int8 sub-block scales, [N, 8 S]
+    per 32 inputs or [N, 8 S, 2] per 16 (their first and second halves); None for the others."""
     n = b.shape[0]
     if type_name == "Q8_0":
-        return _f16(b, 0), None, b[..., 2:].copy().view(np.int8)
+        return _f16(b, 0), None, None, None, b[..., 2:].copy().view(np.int8)
     if type_name in ("Q5_0", "Q5_1"):
         at = 2 if type_name == "Q5_0" else 4
         high = _bits(b[..., at:at + 4], range(8), 1).swapaxes(-1, -2).reshape(*b.shape[:2], 32)  # bit i: input i
         q = (_nibbles(b[..., at + 4:]) | (high << 4)).astype(np.int8)
-        return (_f16(b, 0), None, q - 16) if type_name == "Q5_0" else (_f16(b, 0), _f16(b, 2), q)
+        return (_f16(b, 0), None, None, None, q - 16) if type_name == "Q5_0" else (_f16(b, 0), _f16(b, 2), None,
+                                                                                    None, q)
     if type_name == "IQ4_NL":
-        return _f16(b, 0), None, IQ4_VALUES[_nibbles(b[..., 2:])]
+        return _f16(b, 0), None, None, None, IQ4_VALUES[_nibbles(b[..., 2:])]
     if type_name == "IQ4_XS":
         low = _bits(b[..., 4:8], (0, 4), 4).swapaxes(-1, -2).reshape(n, -1, 8)  # sub-block 2j, 2j+1: byte j
         h = b[..., 2:4].copy().view(np.uint16)  # [N, S, 1]: sub-block i's bits 2i, 2i + 1
         high = ((h >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.uint8)
         ls = (low | (high << 4)).astype(np.int8) - np.int8(32)
-        d = _f16(b, 0)[..., None] * ls.astype(np.float32)
-        return d.reshape(n, -1), None, IQ4_VALUES[_nibbles(b[..., 8:].reshape(n, -1, 8, 16))]
+        return _f16(b, 0), None, ls.reshape(n, -1), None, IQ4_VALUES[_nibbles(b[..., 8:].reshape(n, -1, 8, 16))]
     if type_name in ("Q4_K", "Q5_K"):
         sc, mn = _k_scales(b[..., 4:16])
-        d, m = _f16(b, 0)[..., None] * sc, -(_f16(b, 2)[..., None] * mn)
         qs = b[..., 16:144] if type_name == "Q4_K" else b[..., 48:176]
         q = np.stack((qs.reshape(n, -1, 4, 32) & 15, qs.reshape(n, -1, 4, 32) >> 4), -2)  # sub-blocks 2j, 2j+1
         if type_name == "Q5_K":
             q = q | (_bits(b[..., 16:48], range(8), 1).reshape(q.shape) << 4)  # bit k: sub-block k
             q = q.astype(np.int8)
-        return d.reshape(n, -1), m.reshape(n, -1), q
+        return _f16(b, 0), -_f16(b, 2), sc.reshape(n, -1), mn.reshape(n, -1), q
     if type_name == "Q6_K":
         ql = b[..., :128].reshape(n, -1, 2, 64)
         ql = np.stack((ql & 15, ql >> 4), -2)  # [N, S, 2, 2, 64]: inputs 128 h + 64 e + i
         qh = _bits(b[..., 128:192].reshape(n, -1, 2, 32), (0, 2, 4, 6), 2)  # inputs 128 h + 32 s + i
         q = (ql.reshape(n, -1, 256) | (qh.reshape(n, -1, 256) << 4)).astype(np.int8) - np.int8(32)
-        d = _f16(b, 208)[..., None] * b[..., 192:208].copy().view(np.int8).astype(np.float32)
-        return d.reshape(n, -1, 2), None, q
+        return _f16(b, 208), None, b[..., 192:208].copy().view(np.int8).reshape(n, -1, 2), None, q
     if type_name == "Q3_K":
         s = b[..., 96:108]
         low = _bits(s[..., :8], (0, 4), 4).reshape(n, -1, 16)  # scale 8 s + i: byte i's nibble s
@@ -116,28 +120,36 @@ def _parse(type_name: str, b: np.ndarray) -> tuple[np.ndarray, np.ndarray | None
         ql = _bits(b[..., 32:96].reshape(n, -1, 2, 32), (0, 2, 4, 6), 2).reshape(n, -1, 256)
         hm = _bits(b[..., :32], range(8), 1).reshape(n, -1, 256)  # bit k of byte i: input 32 k + i
         q = ql.astype(np.int8) - ((hm ^ 1) << 2).astype(np.int8)
-        d = _f16(b, 108)[..., None] * sc.astype(np.float32)
-        return d.reshape(n, -1, 2), None, q
+        return _f16(b, 108), None, sc.reshape(n, -1, 2), None, q
     if type_name == "Q2_K":
         sc = b[..., :16]
-        d = _f16(b, 80)[..., None] * (sc & 15).astype(np.float32)
-        m = -(_f16(b, 82)[..., None] * (sc >> 4).astype(np.float32))
         q = _bits(b[..., 16:80].reshape(n, -1, 2, 32), (0, 2, 4, 6), 2).astype(np.int8)
-        return d.reshape(n, -1, 2), m.reshape(n, -1, 2), q
+        d, m = (sc & 15).astype(np.int8).reshape(n, -1, 2), (sc >> 4).astype(np.int8).reshape(n, -1, 2)
+        return _f16(b, 80), -_f16(b, 82), d, m, q
     raise ValueError(f"no blocks for GGUF type {type_name}")
+
+
+def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
+    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
 
 
 @dataclass
 class WeightBlocks:
-    """One weight [N, K] in blocks of 32 inputs (weight_blocks.BLOCK_TYPES lists the kinds):
-    d, m [N, K/32] float32, or [N, K/32, 2] (q8h, q8hm: a scale per 16 inputs; m None where the
-    kind has none); qs [N, K/32, 16] uint8 (q4: byte j holds inputs j and j + 16) or [N, K/32, 32]
-    int8 (q8, q8m, q8h, q8hm)."""
+    """One weight [N, K] in blocks of 32 inputs (weight_blocks.BLOCK_TYPES lists the kinds): codes
+    qs [N, K/32, 16] uint8 (q4: byte j holds inputs j and j + 16) or [N, K/32, 32] int8 (q8, q8m,
+    q8h, q8hm), and the scales as the file holds them (vector_matmul's layouts):
+    - the types of 32-input blocks: d, m [N, K/32] fp16 (m None where the type has none: Q4_0's
+      m = -8 d is not held); ds, ms None;
+    - the types of 256-input super-blocks: d, m [N, K/256] fp16 (m, the file's -dmin, None where
+      the type has none), and ds, ms [N, K/32] int8 sub-block scales, or [N, K/32, 2] (q8h, q8hm: one
+      per 16 inputs); a block's scale is d ds, its minimum m ms."""
 
     kind: str  # "q4", "q8", "q8m", "q8h" or "q8hm"
+    qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
-    qs: torch.Tensor
+    ds: torch.Tensor | None = None
+    ms: torch.Tensor | None = None
 
     @classmethod
     def from_gguf(cls, type_name: str, raw: np.ndarray) -> WeightBlocks:
@@ -145,131 +157,187 @@ class WeightBlocks:
         kind, size, _ = BLOCK_TYPES[type_name]
         b = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)
         if type_name in ("Q4_0", "Q4_1"):  # the file's bytes are the q4 layout already
-            d = torch.from_numpy(_f16(b, 0))
-            if type_name == "Q4_1":
-                return cls("q4", d, torch.from_numpy(_f16(b, 2)), torch.from_numpy(b[..., 4:].copy()))
-            return cls("q4", d, -8 * d, torch.from_numpy(b[..., 2:].copy()))
-        d, m, q = _parse(type_name, b)
-        n, groups = d.shape[0], d.shape[1]
-        q = q.reshape(n, groups, GROUP)
+            m = _tensor(_f16(b, 2)) if type_name == "Q4_1" else None
+            return cls("q4", torch.from_numpy(b[..., size - 16:].copy()), _tensor(_f16(b, 0)), m)
+        d, m, ds, ms, q = _parse(type_name, b)
+        q = q.reshape(b.shape[0], -1, GROUP)
         if kind == "q4":  # byte j: input j in the low nibble, j + 16 in the high
             q = q[..., :16] | (q[..., 16:] << 4)
-        m = None if m is None else torch.from_numpy(np.ascontiguousarray(m))
-        return cls(kind, torch.from_numpy(np.ascontiguousarray(d)), m, torch.from_numpy(np.ascontiguousarray(q)))
+        return cls(kind, _tensor(q), _tensor(d), _tensor(m), _tensor(ds), _tensor(ms))
 
     @classmethod
     def q8_from_float(cls, w: torch.Tensor) -> WeightBlocks:
         """Q8_0 blocks of a float weight [N, K] (K a multiple of 32), as llama.cpp's
-        quantize_row_q8_0 makes them: per block the scale amax / 127 (kept in float32 here) and
-        each input rounded to the nearest code."""
+        quantize_row_q8_0 makes them: per block the scale amax / 127, held in fp16 as the file's
+        is, and each input rounded to the nearest code of that fp16 scale (llama.cpp rounds by the
+        float32 one: codes off by one at most, within half a step of the held scale here)."""
         n, k = w.shape
         g = w.float().reshape(n, k // GROUP, GROUP)
-        d = g.abs().amax(-1) / 127
-        qs = torch.round(g / torch.where(d > 0, d, 1)[..., None]).clamp(-127, 127).to(torch.int8)
-        return cls("q8", d, None, qs)
+        d = (g.abs().amax(-1) / 127).clamp(max=torch.finfo(torch.float16).max).half()
+        step = d.float()
+        qs = torch.round(g / torch.where(step > 0, step, 1)[..., None]).clamp(-127, 127).to(torch.int8)
+        return cls("q8", qs, d, None)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * GROUP
+        return self.qs.shape[0], self.qs.shape[1] * GROUP
+
+    @property
+    def layout(self) -> int:
+        """How the scales are held: vector_matmul's F16, F16_MIN, SUB or SUB_MIN."""
+        if self.ds is None:
+            return vector_matmul.F16 if self.m is None else vector_matmul.F16_MIN
+        return vector_matmul.SUB if self.m is None else vector_matmul.SUB_MIN
+
+    def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(d, m) float32 per block [N, K/32], or per 16 inputs [N, K/32, 2] (q8h, q8hm): what the
+        kernels expand the held scales to (m None where the kind has no minimum term)."""
+        if self.ds is None:
+            d = self.d.float()
+            m = self.m.float() if self.m is not None else -8 * d if self.kind == "q4" else None
+            return d, m
+
+        def per_block(t: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:  # fp16 x int8: exact in float32
+            t = t.float().repeat_interleave(SUPER, 1)
+            return (t[..., None] if sub.dim() == 3 else t) * sub.float()
+
+        return per_block(self.d, self.ds), None if self.m is None else per_block(self.m, self.ms)
 
     def map_rows(self, fn) -> WeightBlocks:
         """The same weight with its rows rearranged by fn (a function of a tensor's first dim)."""
-        return WeightBlocks(self.kind, fn(self.d), None if self.m is None else fn(self.m), fn(self.qs))
+        return WeightBlocks(self.kind, *(None if t is None else fn(t) for t in (self.qs, self.d, self.m, self.ds,
+                                                                                   self.ms)))
 
     @staticmethod
     def cat(parts: list[WeightBlocks]) -> WeightBlocks:
-        kinds = {p.kind for p in parts}
-        if len(kinds) != 1:
-            raise ValueError(f"cannot fuse blocks of kinds {sorted(kinds)}")
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return WeightBlocks(parts[0].kind, torch.cat([p.d for p in parts]), m, torch.cat([p.qs for p in parts]))
+        """The parts' rows one after the other: parts of one kind whose scales are held alike."""
+        forms = {(p.kind, p.layout) for p in parts}
+        if len(forms) != 1:
+            raise ValueError(f"cannot fuse blocks of kinds and scale layouts {sorted(forms)}")
+        fields = zip(*((p.qs, p.d, p.m, p.ds, p.ms) for p in parts), strict=True)
+        return WeightBlocks(parts[0].kind, *(None if ts[0] is None else torch.cat(ts) for ts in fields))
 
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: what gguf.quants.dequantize gives for the same bytes."""
+        d, m = self.block_scales()
         if self.kind == "q4":
             q = torch.cat((self.qs & 15, self.qs >> 4), -1).float()  # [N, G, 32] in input order
-            return (q * self.d[..., None] + self.m[..., None]).reshape(self.shape)
-        q = self.qs.float()
-        if self.d.dim() == 3:  # a scale (and minimum) per 16 inputs
+        else:
+            q = self.qs.float()
+        if d.dim() == 3:  # a scale (and minimum) per 16 inputs
             q = q.reshape(*q.shape[:2], 2, 16)
-        w = q * self.d[..., None]
-        if self.m is not None:
-            w = w + self.m[..., None]
+        w = q * d[..., None]
+        if m is not None:
+            w = w + m[..., None]
         return w.reshape(self.shape)
 
 
 def compile_kernels() -> None:
     """Compile (or load from Numba's on-disk cache) every block kernel once, on tiny arrays, so
     that model loading pays for it and not the first request (tens of seconds on a fresh machine).
+    A kernel's scale layouts are branches of one compiled function: one call compiles them all.
 
     The parallel kernels come first, q4's and q8's each for both code types (decode_step's step compiles its
     head's call to either kernel with the head's codes): a cached function that calls a parallel
     one segfaults when a process loads it from the cache before the callee (numba/numba#8578,
-    reproduced here with q4_linear over q4_matmul), so every process loads the callees first."""
-    x = np.zeros((1, GROUP), np.float32)
-    y, d, room = np.zeros((1, TILE), np.float32), np.zeros((1, 1, TILE), np.float32), vector_matmul.scratch(1, GROUP)
-    halves, sums = np.zeros((1, 1, 2, TILE), np.float32), np.zeros((1, 2), np.float32)
-    scales = np.zeros((1, 1), np.float32)
-    vector_matmul.round_rows_parallel(x, np.zeros((1, GROUP), np.int16), scales, scales)  # quantize's callee
-    xq, dx, xs = vector_matmul.quantize(x)
+    reproduced here with q4_linear over q4_matmul), so every process loads the callees first: a
+    BlockLinear calls this when it is made, before any of its kernels can run. Once a process is
+    enough (later calls return at once)."""
+    global _compiled
+    if _compiled:
+        return
+    vm = vector_matmul
+    x = np.zeros((1, SUPER * GROUP), np.float32)  # one super-block: every layout's shapes hold
+    y, room = np.zeros((1, TILE), np.float32), vm.scratch(1, x.shape[1])
+    sums = np.zeros((1, 2 * SUPER), np.float32)
+
+    def scales(layout: int, halves: int = 1) -> np.ndarray:
+        return np.zeros((1, *vm.scale_shape.py_func(layout, halves, SUPER)), np.uint8)
+
+    def codes(pairs: int, dtype=np.int8) -> np.ndarray:
+        return np.zeros((1, SUPER, pairs, TILE, 2), dtype)
+
+    per_block = np.zeros((1, SUPER), np.float32)
+    vm.round_rows_parallel(x, np.zeros(x.shape, np.int16), per_block, per_block)  # quantize's callee
+    xq, dx, xs = vm.quantize(x)
     for dtype in (np.uint8, np.int8):
-        vector_matmul.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
-        vector_matmul.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
-    codes = np.zeros((1, 1, 16, TILE, 2), np.int8)  # the kinds below: int8 codes only, vectors only
-    vector_matmul.q8m_matmul(xq, dx, xs, codes, d, d, y)
-    vector_matmul.q8h_matmul(xq, dx, codes, halves, y)
-    vector_matmul.q8hm_matmul(xq, dx, sums, codes, halves, halves, y)
-    vector_matmul.half_sums(x, sums.reshape(-1))
+        vm.q4_matmul(xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
+        vm.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
+    # the kinds below: int8 codes only, vectors only
+    vm.q8m_matmul(xq, dx, xs, codes(16), scales(vm.F16_MIN), vm.F16_MIN, y)
+    vm.q8h_matmul(xq, dx, codes(16), scales(vm.SUB, 2), y)
+    vm.q8hm_matmul(xq, dx, sums, codes(16), scales(vm.SUB_MIN, 2), y)
+    vm.half_sums(x, sums.reshape(-1))
     if features.AMX:  # the tiles' kernels too, callees first: split, tile_matmul, then its wrappers
         amx_matmul.split(xq)
         for dtype in (np.uint8, np.int8):
-            amx_matmul.tile_matmul(True, xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
-            amx_matmul.q4_matmul(xq, dx, xs, np.zeros((1, 1, 8, TILE, 2), dtype), d, d, y)
-            amx_matmul.q8_matmul(xq, dx, np.zeros((1, 1, 16, TILE, 2), dtype), d, y)
-    block_matmul.q4_linear(x, np.zeros((1, 1, 8, TILE, 2), np.uint8), d, d, y, room)
-    block_matmul.q8_linear(x, np.zeros((1, 1, 16, TILE, 2), np.int8), d, y, room)
-    block_matmul.q8m_linear(x, codes, d, d, y, room)
-    block_matmul.q8h_linear(x, codes, halves, y, room)
-    block_matmul.q8hm_linear(x, codes, halves, halves, y, room, sums.reshape(-1))
+            amx_matmul.tile_matmul(True, vm.F16_MIN, xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), y)
+            amx_matmul.q4_matmul(xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
+            amx_matmul.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
+    block_matmul.q4_linear(x, codes(8, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
+    block_matmul.q8_linear(x, codes(16), scales(vm.F16), vm.F16, y, room)
+    block_matmul.q8m_linear(x, codes(16), scales(vm.F16_MIN), vm.F16_MIN, y, room)
+    block_matmul.q8h_linear(x, codes(16), scales(vm.SUB, 2), y, room)
+    block_matmul.q8hm_linear(x, codes(16), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
+    _compiled = True
+
+
+_compiled = False  # compile_kernels has run in this process
+
+
+def _tile_scales(blocks: WeightBlocks, pad: int) -> np.ndarray:
+    """The blocks' scales as the kernels read them (vector_matmul._scale_shape): uint8 [N/TILE,
+    super-blocks, bytes], per tile and super-block (or block) its TILE rows' fp16 d, fp16 m, then
+    the int8 sub-block scales [block, half, TILE] of d, then of m."""
+
+    def tiled(t: torch.Tensor) -> np.ndarray:  # [N, S, ...] -> [N/TILE, S, ..., TILE]
+        t = torch.cat((t, t.new_zeros((pad, *t.shape[1:])))) if pad else t
+        t = t.reshape(-1, TILE, *t.shape[1:])
+        return np.ascontiguousarray(t.movedim(1, -1).numpy())
+
+    supers = blocks.d.shape[1]
+    parts = [tiled(t).view(np.uint8) for t in (blocks.d, blocks.m) if t is not None]  # [N/TILE, S, 2 TILE]
+    for t in (blocks.ds, blocks.ms):
+        if t is not None:  # [N, 8 S(, 2)] -> [N/TILE, 8 S(, 2), TILE] -> [N/TILE, S, 8 (2) TILE]
+            t = tiled(t)
+            parts.append(t.view(np.uint8).reshape(t.shape[0], supers, -1))
+    return np.ascontiguousarray(np.concatenate(parts, -1))
 
 
 class BlockLinear:
-    """y = x W^T (+ b) for W in blocks, fp32 activations."""
+    """y = x W^T (+ b) for W in blocks, fp32 activations: the codes (qs) and scales (the bytes of
+    vector_matmul's `layout`) laid out for the kernels, and nothing else held."""
 
     dtype = "gguf"
 
     def __init__(self, blocks: WeightBlocks, b: torch.Tensor | None):
-        self.kind, self.b = blocks.kind, b
+        self.kind, self.layout, self.b = blocks.kind, blocks.layout, b
         self.out_features, self.in_features = blocks.shape
         pad = -self.out_features % TILE  # the kernels work in whole tiles of output rows
-        n = self.out_features + pad
-
-        def tiled(t: torch.Tensor) -> np.ndarray:  # [N, G, ...] -> [N/TILE, G, ..., TILE]
-            t = torch.cat((t, t.new_zeros((pad, *t.shape[1:])))) if pad else t
-            t = t.reshape(n // TILE, TILE, *t.shape[1:])
-            return np.ascontiguousarray(t.movedim(1, -1).numpy())
-
-        # codes [N, G, B] -> [N, G, B/2, 2] (pairs of neighbouring bytes) -> [N/TILE, G, B/2, TILE, 2]
-        pairs = tiled(blocks.qs.reshape(*blocks.qs.shape[:2], -1, 2))
-        self.qs = np.ascontiguousarray(np.swapaxes(pairs, -1, -2))
-        self.d = tiled(blocks.d)
-        self.m = tiled(blocks.m) if blocks.m is not None else None
+        qs = blocks.qs
+        if pad:
+            qs = torch.cat((qs, qs.new_zeros((pad, *qs.shape[1:]))))
+        # codes [N, G, B] -> [N/TILE, TILE, G, B/2, 2] (pairs of neighbouring bytes) -> [N/TILE, G, B/2, TILE, 2]
+        qs = qs.reshape(-1, TILE, qs.shape[1], qs.shape[2] // 2, 2)
+        self.qs = np.ascontiguousarray(qs.permute(0, 2, 3, 1, 4).numpy())
+        self.scales = _tile_scales(blocks, pad)
+        compile_kernels()  # the kernels loaded in a safe order before any runs (numba/numba#8578)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous().numpy()
-        y = np.empty((x.shape[0], self.d.shape[0] * TILE), np.float32)
+        y = np.empty((x.shape[0], self.qs.shape[0] * TILE), np.float32)
         room = vector_matmul.scratch(*x.shape)
         if self.kind == "q4":
-            block_matmul.q4_linear(x, self.qs, self.d, self.m, y, room)
+            block_matmul.q4_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8":
-            block_matmul.q8_linear(x, self.qs, self.d, y, room)
+            block_matmul.q8_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8m":
-            block_matmul.q8m_linear(x, self.qs, self.d, self.m, y, room)
+            block_matmul.q8m_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8h":
-            block_matmul.q8h_linear(x, self.qs, self.d, y, room)
+            block_matmul.q8h_linear(x, self.qs, self.scales, y, room)
         else:
             sums = np.empty(x.shape[0] * (x.shape[1] // 16), np.float32)
-            block_matmul.q8hm_linear(x, self.qs, self.d, self.m, y, room, sums)
+            block_matmul.q8hm_linear(x, self.qs, self.scales, y, room, sums)
         out = torch.from_numpy(y)
         if y.shape[1] != self.out_features:
             out = out[:, :self.out_features]

@@ -46,17 +46,18 @@ def _parts(lin) -> list:
 
 
 class _Weights:
-    """Every matrix part of the model's linears in three flat buffers (q4 codes, int8 codes, float32
-    scales) that the step slices by its table's offsets (decode_step._linear), so each part keeps its
-    own kind, layer by layer and within a fused weight. Each BlockLinear is then pointed at its own
-    slice (a view), so the weights are held once, not twice: a linear is copied in and its old
-    arrays dropped before the next, so the load's peak grows by one matrix, not the model."""
+    """Every matrix part of the model's linears in three flat buffers (q4 codes, int8 codes, scale
+    bytes: fp16 and int8, vector_matmul's layouts) that the step slices by its table's offsets
+    (decode_step._linear), so each part keeps its own kind and layout, layer by layer and within a
+    fused weight. Each BlockLinear is then pointed at its own slice (a view), so the weights are held
+    once, not twice: a linear is copied in and its old arrays dropped before the next, so the load's
+    peak grows by one matrix, not the model."""
 
     def __init__(self, linears: list):
         parts = [p for lin in linears for p in _parts(lin)]
         self.codes4 = np.empty(sum(p.qs.size for p in parts if p.kind == "q4"), np.uint8)
         self.codes8 = np.empty(sum(p.qs.size for p in parts if p.kind != "q4"), np.int8)
-        self.scales = np.empty(sum(p.d.size + (0 if p.m is None else p.m.size) for p in parts), np.float32)
+        self.scales = np.empty(sum(p.scales.size for p in parts), np.uint8)
         self._at = {"codes4": 0, "codes8": 0, "scales": 0}
 
     def _put(self, name: str, a: np.ndarray) -> tuple[int, np.ndarray]:
@@ -75,9 +76,8 @@ class _Weights:
         for row, part in zip(table, parts, strict=True):
             row[decode_step.KIND] = decode_step.KINDS[part.kind]
             row[decode_step.CODES], part.qs = self._put("codes4" if part.kind == "q4" else "codes8", part.qs)
-            row[decode_step.D], part.d = self._put("scales", part.d)
-            if part.m is not None:
-                row[decode_step.M], part.m = self._put("scales", part.m)
+            row[decode_step.SCALES], part.scales = self._put("scales", part.scales)
+            row[decode_step.LAYOUT] = part.layout
             row[decode_step.TILES], row[decode_step.GROUPS] = part.qs.shape[:2]
             row[decode_step.COL], row[decode_step.WIDTH] = col, part.out_features
             col += part.out_features

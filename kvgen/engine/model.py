@@ -154,7 +154,8 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 
 
 class PartsLinear:
-    """One fused weight (q|k|v, gate|up) whose parts the file keeps in blocks of different kinds:
+    """One fused weight (q|k|v, gate|up) whose parts the file keeps in blocks of different kinds (or
+    scales held differently, a Q4_0 part beside a Q4_K one):
     llama-quantize's Q*_K_M mixtures keep attn_v in Q6_K where attn_q and attn_k are Q4_K. Each
     part multiplies on its own blocks and the outputs sit side by side, so no part is dequantized
     (the fused decode step takes one kind a linear: these models run Model.forward)."""
@@ -178,7 +179,7 @@ def make_linear(w: Mapping, names: list[str], dtype: str, blocks: Mapping | None
     fix = [(lambda t: t) if r is None else r for r in (rows or [None] * len(names))]
     if dtype == "gguf" and blocks and all(n in blocks for n in names):
         parts = [blocks[n].map_rows(f) for n, f in zip(names, fix, strict=True)]
-        if len({p.kind for p in parts}) == 1:
+        if len({(p.kind, p.layout) for p in parts}) == 1:  # one kind, scales held alike: one matrix
             return BlockLinear(parts[0] if len(parts) == 1 else WeightBlocks.cat(parts), bias)
         return PartsLinear([BlockLinear(p, None) for p in parts], bias)
     parts = [f(w[n]) for n, f in zip(names, fix, strict=True)]
@@ -326,7 +327,7 @@ class Model:
         for lin in [*(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
                     self.lm_head]:
             for part in getattr(lin, "parts", [lin]):
-                arrays += [getattr(part, name, None) for name in ("qs", "d", "m", "w", "scale")]
+                arrays += [getattr(part, name, None) for name in ("qs", "scales", "w", "scale")]
         for a in arrays:
             if a is None:
                 continue

@@ -4,13 +4,20 @@ They run where the CPU has AMX-INT8 and Linux grants it (elsewhere there is noth
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 import pytest
 import torch
 
 from kvgen.cpu import amx_matmul, features, vector_matmul
 from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks
-from tests.cpu.test_weight_blocks import TYPES, quantized
+from tests.cpu.test_weight_blocks import TYPES, quantized, width
+
+Q = gguf.GGMLQuantizationType
+# the types of the kinds with tiles (q4, q8), one for each layout of their scales
+# (vector_matmul.LAYOUTS): an fp16 d (and m, or Q4_0's -8 d) per block, or a super-block's
+# fp16 d times an int8 a block (Q4_K, IQ4_XS)
+TILE_TYPES = (*TYPES, Q.Q4_K, Q.IQ4_XS)
 
 needs_amx = pytest.mark.skipif(not features.AMX, reason="this CPU (or Linux) gives no AMX-INT8: the vector "
                                                            "kernels run every step")
@@ -18,28 +25,30 @@ needs_amx = pytest.mark.skipif(not features.AMX, reason="this CPU (or Linux) giv
 
 def _both(qtype, n: int, k: int, rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(vector kernels' y, tile kernels' y) for one random weight and activation."""
+    k = width(qtype, k)
     lin = BlockLinear(WeightBlocks.from_gguf(qtype.name, quantized(qtype, n, k, seed)[0]), None)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).numpy()
     x[rows // 2] *= 1e4  # a row of large activations: its int16 codes use their high bytes fully
     xq, dx, xs = vector_matmul.quantize(x)
     ys = [np.full((rows, lin.qs.shape[0] * vector_matmul.TILE), np.nan, np.float32) for _ in range(2)]
-    if lin.m is not None:
-        vector_matmul.q4_matmul(xq, dx, xs, lin.qs, lin.d, lin.m, ys[0])
-        amx_matmul.q4_matmul(xq, dx, xs, lin.qs, lin.d, lin.m, ys[1])
+    if lin.kind == "q4":
+        vector_matmul.q4_matmul(xq, dx, xs, lin.qs, lin.scales, lin.layout, ys[0])
+        amx_matmul.q4_matmul(xq, dx, xs, lin.qs, lin.scales, lin.layout, ys[1])
     else:
-        vector_matmul.q8_matmul(xq, dx, lin.qs, lin.d, ys[0])
-        amx_matmul.q8_matmul(xq, dx, lin.qs, lin.d, ys[1])
+        vector_matmul.q8_matmul(xq, dx, lin.qs, lin.scales, lin.layout, ys[0])
+        amx_matmul.q8_matmul(xq, dx, lin.qs, lin.scales, lin.layout, ys[1])
     return ys[0], ys[1]
 
 
 @needs_amx
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", TILE_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [12, 16, 17, 31, 70])
 @pytest.mark.parametrize("n, k", [(72, 160), (960, 576), (16 * 17, 1536)])
 def test_tiles_give_the_vector_kernels_bits(qtype, rows, n, k):
-    """Bit-identical outputs: whole and padded row blocks (12, 17, 31, 70 rows), an odd number of
-    blocks (160 inputs), weight tiles in pairs and alone (5 and 17 tiles over 2 threads, more
-    than TILES_AT_ONCE), and every output written (none left NaN)."""
+    """Bit-identical outputs for each scale layout: whole and padded row blocks (12, 17, 31, 70
+    rows), an odd number of blocks (160 inputs; the super-block types' 512), weight tiles in pairs
+    and alone (5 and 17 tiles over 2 threads, more than TILES_AT_ONCE), and every output written
+    (none left NaN)."""
     vector, tiles = _both(qtype, n, k, rows, seed=rows)
     assert not np.isnan(tiles).any()
     assert np.array_equal(vector, tiles)

@@ -16,15 +16,16 @@ CALLEES = """
 import numpy as np
 from kvgen.cpu import vector_matmul as ck
 x = np.zeros((2, 64), np.float32)
-y, d = np.zeros((2, ck.TILE), np.float32), np.zeros((1, 2, ck.TILE), np.float32)
+y = np.zeros((2, ck.TILE), np.float32)
+s16, s16m = (np.zeros((1, *ck.scale_shape.py_func(layout, 1, 2)), np.uint8) for layout in (ck.F16, ck.F16_MIN))
 xq, dx, xs = ck.quantize(x)
-ck.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), d, d, y)
-ck.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), d, y)
+ck.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), s16m, ck.F16_MIN, y)
+ck.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), s16, ck.F16, y)
 from kvgen.cpu import features
 if features.AMX:  # and the tiles' kernels (amx_matmul.py), where this CPU runs them
     from kvgen.cpu import amx_matmul as ak
-    ak.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), d, d, y)
-    ak.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), d, y)
+    ak.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), s16m, ck.F16_MIN, y)
+    ak.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), s16, ck.F16, y)
 """
 START = "from kvgen.cpu.weight_blocks import compile_kernels; compile_kernels()"
 

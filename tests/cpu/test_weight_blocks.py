@@ -88,7 +88,37 @@ def test_random_blocks_dequantize_as_gguf_py(qtype):
     assert torch.equal(b.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(64, k)))
     assert b.qs.dtype == (torch.uint8 if b.kind == "q4" else torch.int8)
     halves = b.kind in ("q8h", "q8hm")  # a scale per 16 inputs
-    assert b.d.dtype == torch.float32 and b.d.shape == ((64, k // 32, 2) if halves else (64, k // 32))
+    d, m = b.block_scales()
+    assert d.dtype == torch.float32 and d.shape == ((64, k // 32, 2) if halves else (64, k // 32))
+    assert (m is None) == (b.kind in ("q8", "q8h"))
+
+
+# Bits a weight held (codes, then scales), per type: nibbles or int8 codes; an fp16 d (and m) per
+# block of 32, or per super-block of 256 with an int8 per block of 32 (per 16 for Q6_K, Q3_K, Q2_K)
+# for d (and m): the file's own scales, its 6- and 4-bit ones a byte each
+HELD_BITS = {"Q4_0": 4 + 16 / 32, "Q4_1": 4 + 32 / 32, "Q4_K": 4 + 32 / 256 + 16 / 32,
+             "Q8_0": 8 + 16 / 32, "Q5_0": 8 + 16 / 32, "IQ4_NL": 8 + 16 / 32, "IQ4_XS": 8 + 16 / 256 + 8 / 32,
+             "Q5_1": 8 + 32 / 32, "Q5_K": 8 + 32 / 256 + 16 / 32,
+             "Q6_K": 8 + 16 / 256 + 8 / 16, "Q3_K": 8 + 16 / 256 + 8 / 16, "Q2_K": 8 + 32 / 256 + 16 / 16}
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_blocks_hold_the_files_scales_not_floats(qtype):
+    """A BlockLinear holds its codes and its scales' bytes and nothing else, HELD_BITS a weight:
+    the scales as the file holds them (fp16, int8), not a float32 per block; the nibble types
+    within an eighth of a bit of their file (Q4_K 4.625 against 4.5, Q4_0 and Q4_1 at it)."""
+    n, k = 64, width(qtype, 1024)
+    blocks = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, n, k))
+    assert blocks.d.dtype == torch.float16 and (blocks.m is None or blocks.m.dtype == torch.float16)
+    assert all(t is None or t.dtype == torch.int8 for t in (blocks.ds, blocks.ms))
+    lin = BlockLinear(blocks, None)
+    held = [a for a in vars(lin).values() if isinstance(a, (np.ndarray, torch.Tensor))]
+    assert [id(a) for a in held] == [id(lin.qs), id(lin.scales)] and lin.scales.dtype == np.uint8
+    bits = 8 * sum(a.nbytes for a in held) / (n * k)
+    assert bits == HELD_BITS[qtype.name]
+    per, size = gguf.GGML_QUANT_SIZES[qtype]
+    if lin.kind == "q4":
+        assert bits <= 8 * size / per + 1 / 8
 
 
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
@@ -106,13 +136,14 @@ def expected(qtype, raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     (q8h, q8hm: a d and an m per 16 inputs, m times the 16 inputs' sum of x)."""
     n, k = raw.shape[0], x.shape[1]
     b = WeightBlocks.from_gguf(qtype.name, raw)
+    d, m = b.block_scales()
     xr = int16_activations(x)
     q = torch.cat((b.qs & 15, b.qs >> 4), -1).double() if b.kind == "q4" else b.qs.double()
-    per = 16 if b.d.dim() == 3 else GROUP  # inputs a scale
-    y = xr @ (q.reshape(n, -1, per) * b.d.double().reshape(n, -1)[..., None]).reshape(n, k).T
-    if b.m is None:
+    per = 16 if d.dim() == 3 else GROUP  # inputs a scale
+    y = xr @ (q.reshape(n, -1, per) * d.double().reshape(n, -1)[..., None]).reshape(n, k).T
+    if m is None:
         return y
-    return y + x.double().reshape(x.shape[0], -1, per).sum(-1) @ b.m.double().reshape(n, -1).T
+    return y + x.double().reshape(x.shape[0], -1, per).sum(-1) @ m.double().reshape(n, -1).T
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
@@ -144,8 +175,12 @@ def kernel_outputs() -> list[torch.Tensor]:
     return out
 
 
-PATHS = {"amx": ("+amx-int8", (True, True, True, False)), "avx512": ("+avx512vnni", (True, True, False, False)),
-         "avx2": ("+avx512bw", (True, False, False, False)), "portable": ("+avx2", (False, False, False, False))}
+# path: (the features its build turns off, the first one's absence skipping the path; what
+# features.py and llvm_ir.py then select: PMADDWD, WIDE, VNNI, AMX, F16C)
+PATHS = {"amx": (("+amx-int8",), (True, True, True, False, True)),
+         "avx512": (("+avx512vnni",), (True, True, False, False, True)),
+         "avx2": (("+avx512bw",), (True, False, False, False, True)),
+         "portable": (("+avx2", "+f16c"), (False, False, False, False, False))}
 
 
 @pytest.mark.heavy
@@ -153,21 +188,25 @@ PATHS = {"amx": ("+amx-int8", (True, True, True, False)), "avx512": ("+avx512vnn
 def test_every_kernel_path_gives_the_same_bits(path):
     """With AMX-INT8 a call of AMX_FROM (12) rows or more runs on tiles (amx_matmul.py), with AVX512-VNNI
     the kernels call vpdpwssd, with AVX-512 the 512-bit pmaddwd, with AVX2 the 256-bit one,
-    elsewhere LLVM lowers a portable multiply-add. All sum the same integers and scale them by
+    elsewhere LLVM lowers a portable multiply-add (and, without F16C, the fp16 scales are widened
+    by integer arithmetic: llvm_ir.halves_to_floats). All sum the same integers and scale them by
     the same float operations: a build for this CPU without the feature (NUMBA_CPU_FEATURES, in a
     process with a cache per ISA: isa_build.py) gives bit-identical outputs, at 1 row, at 9 (two calls of 4
     rows and one of 1) and at 40 (tiles where there are)."""
-    drop, flags = PATHS[path]
-    if drop not in features.FEATURES.split(","):
-        pytest.skip(f"this CPU has no {drop[1:]}: the {path} path is what runs here")
+    drops, flags = PATHS[path]
+    if drops[0] not in features.FEATURES.split(","):
+        pytest.skip(f"this CPU has no {drops[0][1:]}: the {path} path is what runs here")
     code = (
-        "import numpy as np, sys, torch; from kvgen.cpu import features; "
+        "import numpy as np, sys, torch; from kvgen.cpu import features, llvm_ir; "
         "from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks; "
         "from tests.cpu.test_weight_blocks import kernel_outputs; "
-        f"assert (features.PMADDWD, features.WIDE, features.VNNI, features.AMX) == {flags}; "
+        f"assert (features.PMADDWD, features.WIDE, features.VNNI, features.AMX, llvm_ir.F16C) == {flags}; "
         "torch.save(kernel_outputs(), sys.argv[1])")
+    isa = features.FEATURES
+    for drop in drops:
+        isa = isa.replace(drop, "-" + drop[1:])
     with tempfile.TemporaryDirectory() as d:
-        run_in_build(code, features.FEATURES.replace(drop, "-" + drop[1:]), f"{d}/out.pt")
+        run_in_build(code, isa, f"{d}/out.pt")
         other = torch.load(f"{d}/out.pt")
     native = kernel_outputs()
     for a, b in zip(native, other, strict=True):
@@ -240,14 +279,18 @@ def test_weight_dtype_auto_and_gguf_choice(gguf_base):  # noqa: F811
 
 def test_q8_blocks_from_float_are_llama_cpps_q8_0():
     """WeightBlocks.q8_from_float (the EAGLE head's matrices over gguf weights) makes gguf-py's Q8_0
-    codes (off by one at most where a product lands on a rounding tie: llama.cpp multiplies by
-    1 / d), every value within half a step of its block, and a zero block stays zero."""
+    scales bit for bit (amax / 127 held in fp16) and its codes off by one at most: llama.cpp rounds
+    x by the float32 scale, q8_from_float by the fp16 one it holds (where the two differ across a
+    rounding boundary: 1.4% of these codes), so that every value is within half a held step of
+    its block; a zero block stays zero."""
     x = np.random.default_rng(3).standard_normal((8, 128)).astype(np.float32)
     x[1, :32] = 0.0
     x[2, 5] = 40.0  # an outlier block
     ours = WeightBlocks.q8_from_float(torch.from_numpy(x))
     theirs = WeightBlocks.from_gguf("Q8_0", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q8_0))
+    assert ours.d.dtype == torch.float16 and torch.equal(ours.d, theirs.d)
     diff = (ours.qs.int() - theirs.qs.int()).abs()
-    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.99
-    assert ((ours.dequantize() - torch.from_numpy(x)).abs() <= ours.d.repeat_interleave(32, 1) / 2 + 1e-6).all()
+    assert diff.max() <= 1 and (diff == 0).float().mean() > 0.97
+    step = ours.d.float().repeat_interleave(32, 1)
+    assert ((ours.dequantize() - torch.from_numpy(x)).abs() <= step / 2 + 1e-6).all()
     assert (ours.qs[1, 0] == 0).all() and ours.d[1, 0] == 0
