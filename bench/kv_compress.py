@@ -32,6 +32,9 @@ HEADING = "## Compressed KV (KV_COMPRESS)"
 BLOCK = 16
 WINDOW = 256
 METHODS = [("off", 0.5), ("mean", 0.5), ("sink-heavy", 0.5), ("sink-heavy", 0.25)]
+FORMATS = ("fp8", "q4", "q3")  # bench/kv.py's quantized KV formats, measured at 8k too for comparison
+LONG = 8192  # positions of the long measurements
+LONG_HEADING = "### Perplexity at 8k positions"
 
 
 def _table(model, tokens: int) -> PagedKVCache:
@@ -66,15 +69,64 @@ def _compressor(method: str, ratio: float) -> KVCompressor | None:
 
 def perplexity(model, ids: list[int], method: str, ratio: float, chunk: int) -> tuple[float, float]:
     """(perplexity, fp32 KV bytes per token held at the end)."""
+    nll, bpt = token_nll(model, ids, method, ratio, chunk)
+    return math.exp(nll.mean().item()), bpt
+
+
+@torch.inference_mode()
+def token_nll(model, ids: list[int], method: str, ratio: float, chunk: int) -> tuple[torch.Tensor, float]:
+    """(NLL of each of ids[1:] given what precedes it, fp32 KV bytes per token held at the end)."""
     table, comp = _table(model, len(ids)), _compressor(method, ratio)
     x = torch.tensor(ids)
-    nll = 0.0
+    nll = []
     for start in range(0, len(ids) - 1, chunk):
         end = min(start + chunk, len(ids) - 1)
         logits = _feed(model, table, comp, x[start:end], True)
-        nll += F.cross_entropy(logits, x[start + 1:end + 1], reduction="sum").item()
+        nll.append(F.cross_entropy(logits, x[start + 1:end + 1], reduction="none"))
     bpt = -(-table.rows // BLOCK) * table.pool.fmt.bytes_per_block() / table.length
-    return math.exp(nll / (len(ids) - 1)), bpt
+    return torch.cat(nll), bpt
+
+
+@torch.inference_mode()
+def format_nll(model, tokenizer, ids: list[int], name: str, chunk: int) -> torch.Tensor:
+    """NLL of each of ids[1:] through a KV format as the Generator builds it (bench/kv.py's
+    eval_format: calibrated, newest block and first token exact), uncompressed."""
+    from bench import kv
+
+    fmt = kv.eval_format(model, name, tokenizer)
+    n_blocks = -(-len(ids) // fmt.block_size)
+    store, table, x = fmt.allocate(n_blocks), torch.arange(n_blocks)[None], torch.tensor(ids)
+    nll = []
+    for start in range(0, len(ids) - 1, chunk):
+        end = min(start + chunk, len(ids) - 1)
+        logits = model.forward(x[start:end], kv._step([(start, end - start)], table, fmt.block_size, True), fmt, store)
+        nll.append(F.cross_entropy(logits, x[start + 1:end + 1], reduction="none"))
+    return torch.cat(nll)
+
+
+def long_ids(tokenizer, text: str) -> list[int]:
+    """8k positions of text: the bench's text four times (the embedded model's context is 8192)."""
+    return (tokenizer.encode(text) * 4)[:LONG]
+
+
+def run_long(model, tokenizer, text: str, chunk: int = 64, formats=FORMATS) -> dict:
+    """Perplexity at 8k positions, per KV_COMPRESS method and per quantized format: over all
+    positions, and over those past the text's first copy (the model can copy them from its context,
+    so they show what a method loses of older content)."""
+    ids = long_ids(tokenizer, text)
+    first = len(tokenizer.encode(text)) - 1  # targets ids[1:first + 1] are the first copy's
+    rows, t0 = [], time.perf_counter()
+    for name, ratio in [*METHODS, *((f, None) for f in formats)]:
+        t = time.perf_counter()
+        if ratio is None:
+            nll, bpt = format_nll(model, tokenizer, ids, name, chunk), None
+        else:
+            nll, bpt = token_nll(model, ids, name, ratio, chunk)
+        rows.append({"method": name, "ratio": ratio, "ppl": math.exp(nll.mean().item()), "bpt": bpt,
+                     "ppl_first": math.exp(nll[:first].mean().item()), "ppl_rest": math.exp(nll[first:].mean().item()),
+                     "s": time.perf_counter() - t})
+        print(rows[-1], flush=True)
+    return {"rows": rows, "tokens": len(ids), "first": first, "chunk": chunk, "seconds": time.perf_counter() - t0}
 
 
 def greedy(model, prompt: list[int], method: str, ratio: float, new: int, chunk: int) -> tuple[list[int], float]:
@@ -147,14 +199,14 @@ def proxy_check(model, ids: list[int]) -> dict:
 def run(model, tokenizer, text: str, tokens: int | None, new: int, chunk: int, long_new: int) -> dict:
     ids = tokenizer.encode(text)
     ppl_ids = ids[:tokens]
-    long_ids = (ids * 4)[:8192 - long_new]
+    ids8 = (ids * 4)[:LONG - long_new]
     rows, ref = [], {}
     t0 = time.perf_counter()
     for method, ratio in METHODS:
         t = time.perf_counter()
         ppl, bpt = perplexity(model, ppl_ids, method, ratio, chunk)
         g2, bpt2 = greedy(model, ids[:2048 - new], method, ratio, new, 256)
-        g8, bpt8 = greedy(model, long_ids, method, ratio, long_new, 512)
+        g8, bpt8 = greedy(model, ids8, method, ratio, long_new, 512)
         if method == "off":
             ref = {"ppl": ppl, "g2": g2, "g8": g8}
         rows.append({"method": method, "ratio": ratio, "ppl": ppl, "rel": ppl / ref["ppl"] - 1, "bpt": bpt,
@@ -164,7 +216,7 @@ def run(model, tokenizer, text: str, tokens: int | None, new: int, chunk: int, l
     proxy = proxy_check(model, ids[:2048])
     print(proxy, flush=True)
     return {"rows": rows, "proxy": proxy, "tokens": len(ppl_ids), "new": new, "long_new": long_new,
-            "long": len(long_ids), "chunk": chunk, "seconds": time.perf_counter() - t0}
+            "long": len(ids8), "chunk": chunk, "seconds": time.perf_counter() - t0}
 
 
 def _agree(a: list[int], b: list[int]) -> int:
@@ -210,4 +262,76 @@ def splice(text: str, section: str) -> str:
         at = text.find("\n## Decode speed")
         return text + "\n" + section if at < 0 else text[:at + 1] + section + "\n" + text[at + 1:]
     end = text.find("\n## ", start + len(HEADING))
+    old = text[start:end] if end >= 0 else text[start:]
+    if LONG_HEADING in old and LONG_HEADING not in section:  # the 8k run (--long) is kept until rerun
+        section = section.rstrip("\n") + "\n\n" + old[old.find(LONG_HEADING):].rstrip("\n") + "\n"
     return text[:start] + section + (text[end:] if end >= 0 else "")
+
+
+def markdown_long(res: dict) -> str:
+    """The 8k perplexity table, a subsection of the compressed-KV section."""
+    rows = res["rows"]
+    off = rows[0]
+    out = [LONG_HEADING, "",
+           f"`python -m bench.kv_compress --long`: {res['tokens']} positions, bench/kv_text.py's text four times "
+           f"(the first copy: the first {res['first']} targets), teacher-forced in chunks of {res['chunk']} (each "
+           "chunk compressed after it, as the engine compresses after every step); the same model, window and "
+           "chunks as above. The quantized formats (uncompressed, as bench/kv.py builds them: calibrated, newest "
+           "block and first token exact) go through the same chunks. Past the first copy the model can copy "
+           "the text from its context, so that column shows what a cache loses of older content. One run on a "
+           f"shared 2-core machine ({res['seconds']:.0f} s; perplexity is not a timing, noise does not move it).",
+           "",
+           "| cache | perplexity at 8k | vs off | first copy (to ~2k) | vs off | past it (~2k to 8k) | vs off |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        name = r["method"] if r["ratio"] is None else (
+            "off (fp32)" if r["method"] == "off" else f"{r['method']} {r['ratio']:g}")
+        out.append(f"| {name} | {r['ppl']:.4f} | {r['ppl'] / off['ppl'] - 1:+.2%} | {r['ppl_first']:.4f} "
+                   f"| {r['ppl_first'] / off['ppl_first'] - 1:+.2%} | {r['ppl_rest']:.4f} "
+                   f"| {r['ppl_rest'] / off['ppl_rest'] - 1:+.2%} |")
+    return "\n".join(out) + "\n"
+
+
+def splice_long(text: str, sub: str) -> str:
+    """text with the 8k perplexity subsection replaced (added at the end of the compressed-KV
+    section when absent)."""
+    start = text.find(LONG_HEADING)
+    if start >= 0:
+        end = text.find("\n## ", start)
+        nxt = text.find("\n### ", start + len(LONG_HEADING))
+        end = min(e for e in (end, nxt, len(text)) if e >= 0)
+        return text[:start] + sub + text[end:]
+    at = text.find(HEADING)
+    end = text.find("\n## ", at + len(HEADING)) if at >= 0 else -1
+    if end < 0:
+        return text.rstrip("\n") + "\n\n" + sub
+    return text[:end + 1] + sub + text[end:]
+
+
+def main() -> None:
+    import argparse
+    import os
+    from pathlib import Path
+
+    from bench.kv import RESULTS
+    from bench.kv_text import EVAL_TEXT
+    from kvgen.engine.generator import load_model
+    from kvgen.engine.model_files import embedded_model_path
+
+    ap = argparse.ArgumentParser(description="KV_COMPRESS quality at 8k positions (the rest: bench/kv.py --compress)")
+    ap.add_argument("--long", action="store_true", help="perplexity at 8k positions, spliced into --out")
+    ap.add_argument("--formats", default=",".join(FORMATS), help="quantized formats measured too ('' for none)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    if not args.long:
+        ap.error("nothing to do: --long (the rest of the section: python bench/kv.py --compress)")
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+    model, tokenizer = load_model(embedded_model_path(), "fp32")
+    res = run_long(model, tokenizer, EVAL_TEXT, formats=[f for f in args.formats.split(",") if f])
+    sub = markdown_long(res)
+    args.out.write_text(splice_long(args.out.read_text() if args.out.exists() else "", sub))
+    print(sub)
+
+
+if __name__ == "__main__":
+    main()

@@ -17,6 +17,9 @@ type Request struct {
 	Sampling  Sampling
 	RequestID string // echoed back; the server makes one when empty
 	CacheSalt string // requests share prefix-cache blocks only with requests of the same salt
+	// KVCompress is the request's KV compression: "off", "mean" or "sink-heavy" ("": the server's
+	// KV_COMPRESS); lossy, and refused (InvalidArgument) where the server cannot compress.
+	KVCompress string
 	sessionID string // set by Session
 }
 
@@ -69,6 +72,7 @@ func (r Request) proto() *kvgenv1.GenerateRequest {
 	}
 	msg := &kvgenv1.GenerateRequest{Prompt: r.Prompt, PromptTokenIds: r.TokenIDs, Sampling: sp,
 		RequestId: r.RequestID, SessionId: r.sessionID, CacheSalt: r.CacheSalt}
+	msg.KvCompress = r.KVCompress
 	for _, m := range r.Messages {
 		msg.Messages = append(msg.Messages, &kvgenv1.ChatMessage{Role: m.Role, Content: m.Content})
 	}

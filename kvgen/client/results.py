@@ -168,6 +168,12 @@ class ModelInfo:
     final_logit_softcap: float = 0.0
     decode_path: str = ""  # fused | cuda-kernels | torch
     decode_path_reason: str = ""  # why not a faster path, where torch
+    # KV compression of requests that do not choose (KV_COMPRESS: off, mean, sink-heavy), its window and
+    # ratio, and why a request may not turn it on here ("": it may)
+    kv_compress: str = ""
+    kv_compress_window: int = 0
+    kv_compress_ratio: float = 0.0
+    kv_compress_unsupported: str = ""
     raw: pb.GetModelInfoResponse | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -176,7 +182,8 @@ class ModelInfo:
                    m.head_dim, m.kv_dtype, m.weight_dtype, m.has_chat_template, tuple(m.eos_token_ids),
                    m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m.cpu_kernels,
                    dict(m.tensor_types), dict(m.type_kernels), m.weight_bytes, m.file_bytes, tuple(m.layer_windows),
-                   m.attention_logit_softcap, m.final_logit_softcap, m.decode_path, m.decode_path_reason, m)
+                   m.attention_logit_softcap, m.final_logit_softcap, m.decode_path, m.decode_path_reason,
+                   m.kv_compress, m.kv_compress_window, m.kv_compress_ratio, m.kv_compress_unsupported, m)
 
 
 @dataclass(frozen=True)

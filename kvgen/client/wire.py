@@ -30,16 +30,19 @@ def _message(m) -> pb.ChatMessage:
 
 
 def request(prompt: Prompt, session_id: str = "", request_id: str = "", cache_salt: str = "",
-            adapter: str = "", **sampling) -> pb.GenerateRequest:
+            adapter: str = "", kv_compress: str = "", kv_compress_window: int | None = None,
+            kv_compress_ratio: float | None = None, **sampling) -> pb.GenerateRequest:
     """A GenerateRequest from a prompt (text, chat messages or token ids) and SamplingParams fields
     (json_schema may be a dict, choice a list of strings, logit_bias a {token id: bias} dict);
-    adapter: a loaded LoRA adapter's name ("": the base model)."""
+    adapter: a loaded LoRA adapter's name ("": the base model); kv_compress (off, mean, sink-heavy),
+    kv_compress_window, kv_compress_ratio: the request's KV compression ("" / None: the server's)."""
     if isinstance(sampling.get("json_schema"), dict):
         sampling["json_schema"] = json.dumps(sampling["json_schema"])
     if isinstance(sampling.get("choice"), list | tuple):
         sampling["choice"] = pb.ChoiceList(choices=sampling["choice"])
     req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling), session_id=session_id, request_id=request_id,
-                             cache_salt=cache_salt, adapter=adapter)
+                             cache_salt=cache_salt, adapter=adapter, kv_compress=kv_compress,
+                             kv_compress_window=kv_compress_window, kv_compress_ratio=kv_compress_ratio)
     if isinstance(prompt, str):
         req.prompt = prompt
     elif prompt and not isinstance(prompt[0], int):

@@ -26,7 +26,7 @@ from kvgen.engine import model_files
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
-from kvgen.engine.kv.compress import make_compressor
+from kvgen.engine.kv.compress import KVCompression, KVCompressor, choose, make_compressor, unsupported
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.pool import BlockPool
@@ -135,6 +135,11 @@ def _salt(cache_salt: str, adapter: Adapter | None) -> str:
     return cache_salt if adapter is None else f"{cache_salt}\x1flora:{adapter.name}#{adapter.serial}"
 
 
+def _key(compressor: KVCompressor | None) -> tuple:
+    """A compressor's (method, window, ratio), ("off",) for none: equal when they compress alike."""
+    return compressor.key if compressor is not None else ("off",)
+
+
 def _releasing(store: AdapterStore, adapter: Adapter, on_release):
     """seq.on_release that also lets go of the request's hold on its adapter (once, whoever calls)."""
     done = threading.Lock()
@@ -185,6 +190,9 @@ class Generator:
         kv.compressor = make_compressor(opts.kv_compress, opts.kv_compress_window, opts.kv_compress_ratio,
                                         self.pool.fmt.name, attention_span=window or opts.attention_chunk,
                                         kernels=self.engine.runner.kernel_attention is not None)
+        # why a request may not turn KV compression on here ("": it may)
+        self.kv_compress_unsupported = unsupported(self.pool.fmt.name, window or opts.attention_chunk,
+                                                   self.engine.runner.kernel_attention is not None)
         self.grammars = Grammars(tokenizer.tok, cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask
@@ -252,23 +260,26 @@ class Generator:
             raise InvalidRequest(bad)
 
     async def request(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                      request_id: str = "", cache_salt: str = "", adapter: str = "") -> Request:
+                      request_id: str = "", cache_salt: str = "", adapter: str = "",
+                      kv_compress: KVCompression | None = None) -> Request:
         """Submit one request (not in a session). Raises InvalidRequest, NotFound (an adapter not
         loaded) or Overloaded. cache_salt: the prefix cache shares blocks only between requests with
         the same salt. adapter: the name of a loaded LoRA adapter ("": the base model)."""
         self.adapter(adapter)  # an unknown name is refused before the prompt is tokenized
         ids = await self.prompt_ids(prompt)
         await self.compile(sampling)
-        return self.submit(ids, sampling, request_id, cache_salt=cache_salt, adapter=adapter)
+        return self.submit(ids, sampling, request_id, cache_salt=cache_salt, adapter=adapter, kv_compress=kv_compress)
 
     async def requests(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                       request_id: str = "", cache_salt: str = "", adapter: str = "") -> list[Request]:
+                       request_id: str = "", cache_salt: str = "", adapter: str = "",
+                       kv_compress: KVCompression | None = None) -> list[Request]:
         """Submit a request for sampling.n samples of one prompt (not in a session): one Request
         per sample, by index. The prompt is computed once; the other samples fork from its KV."""
         self.adapter(adapter)
         ids = await self.prompt_ids(prompt)
         await self.compile(sampling)
-        return self.submit_n(ids, sampling, request_id, cache_salt=cache_salt, adapter=adapter)
+        return self.submit_n(ids, sampling, request_id, cache_salt=cache_salt, adapter=adapter,
+                             kv_compress=kv_compress)
 
     def adapter(self, name: str) -> Adapter | None:
         """The loaded LoRA adapter of this name (None for "": the base model); NotFound names it."""
@@ -314,6 +325,15 @@ class Generator:
         log.info("LoRA adapter %r unloaded", name)
         return adapter
 
+    def kv_compressor(self, choice: KVCompression | None) -> KVCompressor | None:
+        """The KVCompressor a request's choice asks for (None: exact); no choice (or all fields
+        unset), the server's. Raises InvalidRequest naming the request's kv_compress fields."""
+        if choice is None or choice == KVCompression():
+            return self.scheduler.kv.compressor
+        opts = self.options
+        return choose(choice, opts.kv_compress, opts.kv_compress_window, opts.kv_compress_ratio,
+                      self.kv_compress_unsupported)
+
     async def compile(self, sampling: SamplingParams | None) -> None:
         """Compile the request's constraint, if any, off the event loop when it is not cached
         (raises InvalidRequest for one the grammar engine rejects)."""
@@ -322,19 +342,19 @@ class Generator:
             await asyncio.to_thread(self.grammars.matcher, c)
 
     def submit_n(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
-                 cache_salt: str = "", adapter: str = "") -> list[Request]:
+                 cache_salt: str = "", adapter: str = "", kv_compress: KVCompression | None = None) -> list[Request]:
         """As submit, for sampling.n samples: sample i runs with seed + i (when seeded) and joins
         the engine with the first one's KV once its prompt is computed (Engine._fork)."""
         params = sampling or SamplingParams()
         self.check(ids, params)
         first = self.submit(ids, replace(params, n=1), request_id, cache_salt=cache_salt, adapter=adapter,
-                            _held=True)
+                            kv_compress=kv_compress, _held=True)
         reqs = [first]
         try:
             for i in range(1, params.n):
                 seed = None if params.seed is None else (params.seed + i) % 2**64
                 reqs.append(self.submit(ids, replace(params, n=1, seed=seed), request_id, cache_salt=cache_salt,
-                                        adapter=adapter, _fork_of=first))
+                                        adapter=adapter, kv_compress=kv_compress, _fork_of=first))
             self.engine.submit(first.seq)
         except BaseException:  # refused (MAX_WAITING, an adapter unloaded): the engine never held any of them
             for r in reqs:
@@ -344,16 +364,22 @@ class Generator:
 
     def submit(self, ids: list[int], sampling: SamplingParams | None = None, request_id: str = "",
                session: Session | None = None, keep: int = 0, cache_salt: str = "", *,
-               shift: tuple[int, int] | None = None, adapter: str = "", _held: bool = False,
-               _fork_of: Request | None = None) -> Request:
+               shift: tuple[int, int] | None = None, adapter: str = "", kv_compress: KVCompression | None = None,
+               _held: bool = False, _fork_of: Request | None = None) -> Request:
         """Hand token ids to the engine; call on the event loop that will read the Request.
         shift: a session turn's context shift (kept blocks, dropped blocks; KVManager.shift).
         adapter: a loaded LoRA adapter's name (a session's turn runs with the session's adapter).
+        kv_compress: the request's KV compression (unset fields: KV_COMPRESS's); a session's turn
+        runs with the session's, and may only name the same.
         (_held / _fork_of: submit_n's, for samples that start together.)"""
         lora = getattr(session, "adapter", None) if session is not None else self.adapter(adapter)
         if session is not None and adapter and (lora is None or lora.name != adapter):
             raise InvalidRequest([("adapter", f"the session runs with {lora.name if lora else 'the base model'!r}; "
                                               "a session keeps the adapter it was created with")])
+        compressor = self.kv_compressor(kv_compress)
+        if session is not None and kv_compress is not None and _key(compressor) != _key(session.cache.compressor):
+            raise InvalidRequest([("kv_compress", "a session keeps the KV compression it was created with "
+                                                  f"({_key(session.cache.compressor)[0]})")])
         params = sampling or SamplingParams()
         self.check(ids, params)
         if params.n != 1:
@@ -368,7 +394,7 @@ class Generator:
             if not self.adapters.acquire(lora):
                 raise NotFound(f"LoRA adapter {lora.name[:128]!r} is not loaded (it is being unloaded or was)")
             on_release = _releasing(self.adapters, lora, req.on_release)
-        table = session.cache if session else self.scheduler.kv.new_table()
+        table = session.cache if session else self.scheduler.kv.new_table(compressor)
         seq = Sequence(ids, params, self.tokenizer, self.cfg.eos_token_ids, req.deliver, table,
                        request_id or uuid.uuid4().hex, keep_kv=session is not None,
                        resume_from=keep if session else None, on_release=on_release,
@@ -435,9 +461,12 @@ class Generator:
 
     # sessions
 
-    def new_session(self, session_id: str = "", adapter: str = "") -> Session:
-        """adapter: a loaded LoRA adapter's name; every turn of the session runs with it."""
+    def new_session(self, session_id: str = "", adapter: str = "", kv_compress: KVCompression | None = None
+                    ) -> Session:
+        """adapter: a loaded LoRA adapter's name; every turn of the session runs with it, and with
+        kv_compress's KV compression (unset fields: KV_COMPRESS's)."""
         lora = self.adapter(adapter)
+        compressor = self.kv_compressor(kv_compress)
         with self._sessions_lock:
             if len(self.sessions) >= self.options.max_sessions:
                 raise Overloaded(f"{len(self.sessions)} sessions open (MAX_SESSIONS)", retry_after=5.0)
@@ -446,6 +475,7 @@ class Generator:
                 raise InvalidRequest([("session_id", "a session with this id is already open")])
             s = self.sessions[sid] = Session(self, sid)
             s.adapter = lora
+            s.cache.compressor = compressor
         return s
 
     def get_session(self, session_id: str) -> Session | None:

@@ -37,8 +37,9 @@ class Session:
         self._last_messages: list[dict] = []  # the conversation that turn answered (messages turns)
 
     async def request(self, prompt: Prompt, sampling: SamplingParams | None = None,
-                      request_id: str = "") -> Request:
-        """Start the next turn (after the previous one is released)."""
+                      request_id: str = "", kv_compress=None) -> Request:
+        """Start the next turn (after the previous one is released). kv_compress: a KVCompression the
+        turn names (None: the session's); it must be the session's (Generator.submit checks)."""
         async with self._turn:
             self._check_open()
             if self._last is not None:
@@ -64,7 +65,8 @@ class Session:
             self._check_open()
             keep = self._shared(ids) if shift is None else min(self.cache.length - shift[1] * self.block_size,
                                                                 len(ids) - 1)
-            req = self.gen.submit(ids, sampling, request_id, session=self, keep=keep, shift=shift)
+            req = self.gen.submit(ids, sampling, request_id, session=self, keep=keep, shift=shift,
+                                  kv_compress=kv_compress)
             self._last, self._last_messages = req, messages
             self.last_used = time.monotonic()
             return req

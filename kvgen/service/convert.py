@@ -6,6 +6,7 @@ import re
 from collections import Counter
 
 from kvgen.engine.constraint import Constraint
+from kvgen.engine.kv.compress import KVCompression
 from kvgen.engine.sampling import Sampled, SamplingParams
 from kvgen.engine.sequence import Event
 from kvgen.engine.tokenizer import TextTokenizer
@@ -95,6 +96,15 @@ def check_session_id(session_id: str) -> None:
     bad = session_id_violations(session_id)
     if bad:
         raise InvalidRequest(bad)
+
+
+def kv_compress_of(req: pb.GenerateRequest | pb.CreateSessionRequest) -> KVCompression | None:
+    """The request's (or session's) KV compression fields; None where none is set (the server's)."""
+    window = req.kv_compress_window if req.HasField("kv_compress_window") else None
+    ratio = req.kv_compress_ratio if req.HasField("kv_compress_ratio") else None
+    if not req.kv_compress and window is None and ratio is None:
+        return None
+    return KVCompression(req.kv_compress, window, ratio)
 
 
 # SamplingParams' `optional` fields: unset keeps the engine's default

@@ -85,10 +85,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             if req.adapter and req.adapter != getattr(session.adapter, "name", ""):
                 raise InvalidRequest([("adapter", "a session keeps the adapter it was created with "
                                                   "(CreateSessionRequest.adapter)")])
-            requests = [await session.request(prompt, params, request_id)]
+            requests = [await session.request(prompt, params, request_id, kv_compress=convert.kv_compress_of(req))]
         else:
             requests = await gen.requests(prompt, params, request_id, cache_salt=req.cache_salt,
-                                          adapter=req.adapter)
+                                          adapter=req.adapter, kv_compress=convert.kv_compress_of(req))
         with ExitStack() as tracked:
             for r in requests:
                 tracked.enter_context(self.inflight.track(key, request_id, r))
@@ -182,6 +182,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                       attention_logit_softcap=cfg.attn_logit_softcap or 0.0,
                       final_logit_softcap=cfg.final_logit_softcap or 0.0, decode_path=runner.decode_path,
                       decode_path_reason=runner.decode_path_reason)
+        opts = gen.options
+        compression = dict(kv_compress=opts.kv_compress, kv_compress_window=opts.kv_compress_window,
+                           kv_compress_ratio=opts.kv_compress_ratio,
+                           kv_compress_unsupported=gen.kv_compress_unsupported)
         return pb.GetModelInfoResponse(
             name=cfg.name, architecture=cfg.architecture, context_length=cfg.context_length,
             vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -191,7 +195,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device),
             prefix_cache=gen.scheduler.kv.prefix is not None, cpu_kernels=kernel_path(gen.model),
             tensor_types=cfg.tensor_types, type_kernels=type_kernels(gen.model), weight_bytes=gen.model.weight_bytes(),
-            file_bytes=cfg.file_bytes, adapters=convert.lora_adapters(gen), **layout)
+            file_bytes=cfg.file_bytes, adapters=convert.lora_adapters(gen), **layout, **compression)
 
     async def CreateSession(self, request, context):
         try:
@@ -201,7 +205,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             if key and per_key and sum(k == key for k in self.owners.values()) >= per_key:
                 raise Overloaded(f"{per_key} sessions already open with this API key (MAX_SESSIONS_PER_KEY)",
                                  retry_after=5.0)
-            s = gen.new_session(routing.new_session_id(request.session_id, context), adapter=request.adapter)
+            s = gen.new_session(routing.new_session_id(request.session_id, context), adapter=request.adapter,
+                                kv_compress=convert.kv_compress_of(request))
         except Exception as e:
             await tracing.abort_rpc(context, e)
         self.owners[s.session_id] = key

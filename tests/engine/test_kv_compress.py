@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvgen.engine.generator import EngineOptions, Generator
-from kvgen.engine.kv.compress import CHUNK_BLOCKS, SINKS
+from kvgen.engine.kv.compress import CHUNK_BLOCKS, SINKS, KVCompression
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.tokenizer import TextTokenizer
@@ -257,3 +257,149 @@ def test_what_it_cannot_serve_is_refused_at_start():
         _gen("mean", attention_window=128)
     with pytest.raises(ValueError, match="expected one of"):
         _gen("h2o")
+
+
+# per request: a request (or a session) chooses its own KV compression, the server's by default
+
+
+def _run(gen: Generator, *requests: tuple[list[int], KVCompression | None], n: int = 16) -> list:
+    """The requests submitted together (one engine batch), each one's events added up."""
+    import asyncio
+
+    async def go():
+        reqs = [gen.submit(ids, greedy(n, logprobs=2), kv_compress=choice) for ids, choice in requests]
+        return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
+
+    return gen.bridge.run(go())
+
+
+def _same(a, b, exact: bool = True) -> None:
+    """Same tokens, and the same logprobs: bit for bit, or (not exact: a compressed request runs
+    through Model.forward, whose batched rows may round differently alone) to float32 rounding."""
+    assert a.token_ids == b.token_ids
+    if exact:
+        assert [x.top for x in a.logprobs] == [y.top for y in b.logprobs]
+    else:
+        assert [[t for t, _ in x.top] for x in a.logprobs] == [[t for t, _ in y.top] for y in b.logprobs]
+        torch.testing.assert_close(torch.tensor([[v for _, v in x.top] for x in a.logprobs]),
+                                   torch.tensor([[v for _, v in y.top] for y in b.logprobs]), rtol=0, atol=1e-4)
+
+
+def test_a_batch_mixes_a_compressed_and_an_exact_request():
+    """On a plain server, a request asking for mean compression runs in one batch with exact
+    requests, one of the same prompt (it shares the compressed request's prompt blocks through the
+    prefix cache, in the batch, as does a request after it). The exact requests' outputs are a plain
+    server's, bit for bit, with the same calls all exact; the compressed one's are its own alone
+    and a KV_COMPRESS=mean server's (tokens; logprobs to float32 rounding: its rows run through
+    Model.forward, batched differently); only its table was compressed."""
+    mean = KVCompression("mean", window=WINDOW)
+    other = list(reversed(PROMPT))
+    outs = {}
+    for name, choice in (("mixed", mean), ("plain", None)):
+        gen = _gen()
+        tables = []
+        gen.scheduler.kv.listen(lambda ev, t=tables: t.append(ev.table) if ev.name == "kv.compress" else None)
+        try:
+            batch = _run(gen, (PROMPT, choice), (PROMPT, None), (other, KVCompression("off")))
+            after = _run(gen, (PROMPT, None))[0]
+            alone = _run(gen, (PROMPT, choice))[0]
+            assert batch[1].usage.cached_tokens > 0 and after.usage.cached_tokens >= 384  # shared prompt blocks
+            assert len(set(map(id, tables))) == (2 if choice else 0)  # the compressed request's, twice
+            outs[name] = batch, after, alone
+        finally:
+            gen.close()
+    server = _gen("mean")
+    try:
+        server_compressed = _run(server, (PROMPT, None))[0]
+    finally:
+        server.close()
+    (mixed, mixed_after, alone), (plain, plain_after, _) = outs["mixed"], outs["plain"]
+    # Once compressed, the compressed row leaves the fused decode step (model_runner: kv_start != 0),
+    # so the fused step runs 2 rows where the plain server's runs 3, which rounds its last bits
+    # differently: the exact requests' logprobs agree to 1e-4, a hundred times closer than what
+    # compression moves (below), which reading one pooled block would show.
+    for got, want in ((mixed[1], plain[1]), (mixed[2], plain[2]), (mixed_after, plain_after)):
+        _same(got, want, exact=False)
+    assert mixed_after.token_ids == plain_after.token_ids
+    moved = (_top_values(mixed[0]) - _top_values(plain[0])).abs().max().item()
+    assert moved > 1e-2  # compression moved the compressed request's logprobs
+    _same(mixed[0], alone, exact=False)
+    _same(server_compressed, alone, exact=False)
+
+
+def _top_values(ev) -> torch.Tensor:
+    return torch.tensor([[v for _, v in x.top] for x in ev.logprobs])
+
+
+def test_exact_requests_on_a_compressing_server():
+    """On a KV_COMPRESS=sink-heavy server, a request asking for off keeps every row (and equals a
+    plain server's), in a batch with one that compresses by the server's setting."""
+    gen = _gen("sink-heavy")
+    tables = []
+    gen.scheduler.kv.listen(lambda ev: tables.append(ev.table) if ev.name == "kv.compress" else None)
+    try:
+        got = _run(gen, (PROMPT, KVCompression("off")), (list(reversed(PROMPT)), None))
+        assert len(set(map(id, tables))) == 1
+    finally:
+        gen.close()
+    plain = _gen()
+    try:
+        _same(got[0], _run(plain, (PROMPT, None))[0], exact=False)  # the fused step ran 1 row, not 2
+    finally:
+        plain.close()
+
+
+def test_a_session_keeps_its_compression_turn_after_turn():
+    """A session created with sink-heavy compression on a plain server compresses every turn (as a
+    KV_COMPRESS=sink-heavy server's session does, token for token); a turn may name the same
+    compression, not another."""
+    from kvgen.errors import InvalidRequest
+
+    heavy = KVCompression("sink-heavy", window=WINDOW)
+    outs = []
+    for server, choice in (("off", heavy), ("sink-heavy", None)):
+        gen = _gen(server, prefix_cache=False)
+        try:
+            s = gen.new_session(kv_compress=choice)
+            turns = []
+            for turn in range(3):
+                prompt = PROMPT[:200] if turn == 0 else TOK.encode(f" turn {turn} ") + PROMPT[:100]
+                out = gen.bridge.run(gen.collect(s.request(prompt, greedy(), kv_compress=choice)))
+                turns.append(out.token_ids)
+            assert s.cache.removed > 0
+            with pytest.raises(InvalidRequest) as e:
+                gen.bridge.run(gen.collect(s.request(" more", greedy(), kv_compress=KVCompression("mean"))))
+            assert e.value.violations[0][0] == "kv_compress"
+            outs.append(turns)
+        finally:
+            gen.close()
+    assert outs[0] == outs[1]
+
+
+def test_what_a_request_cannot_ask_for_is_refused_naming_its_field():
+    from kvgen.errors import InvalidRequest
+
+    def refused(gen, choice) -> list[tuple[str, str]]:
+        with pytest.raises(InvalidRequest) as e:
+            gen.bridge.run(gen.collect(gen.request(PROMPT[:20], greedy(2), kv_compress=choice)))
+        return e.value.violations
+
+    q4 = _gen(kv_dtype="q4")
+    try:
+        [(field, why)] = refused(q4, KVCompression("mean"))
+        assert field == "kv_compress" and "KV_DTYPE" in why and "q4" in why
+        assert q4.kv_compress_unsupported
+        assert len(_run(q4, (PROMPT[:20], KVCompression("off")), n=2)[0].token_ids) == 2  # off is fine anywhere
+    finally:
+        q4.close()
+    plain = _gen()
+    try:
+        assert plain.kv_compress_unsupported == ""
+        assert refused(plain, KVCompression("h2o"))[0][0] == "kv_compress"
+        assert refused(plain, KVCompression("mean", ratio=0.3))[0][0] == "kv_compress_ratio"
+        assert refused(plain, KVCompression("mean", window=-1))[0][0] == "kv_compress_window"
+        with pytest.raises(InvalidRequest):
+            plain.new_session(kv_compress=KVCompression("h2o"))
+        assert not plain.sessions
+    finally:
+        plain.close()

@@ -35,15 +35,23 @@ they serve the KV format (model_runner would have to send kv_start != 0 rows to 
 Plain formats only (fp32, fp16, bf16): a quantized format's exact tail (stage.py) keys its slots
 by position.
 
+Per request: each table carries its own compressor (PagedKVCache.compressor), the server's by
+default; a request (or a session, for all its turns) may choose another method, window or ratio
+(KVCompression, `choose`), or none, in a batch with others that choose differently. Where the
+server cannot compress (`unsupported`), a request asking for it is refused, naming its field.
+
 The prefix cache never indexes a compressed table (prefix.insert), and a table is compressed only
 into blocks it allocates, so a block the index shares keeps its exact rows.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvgen.engine.kv.paged import PagedKVCache
+from kvgen.errors import InvalidRequest
 
 METHODS = ("off", "mean", "sink-heavy")
 PLAIN = ("fp32", "fp16", "bf16")
@@ -60,6 +68,11 @@ class KVCompressor:
                              f"{CHUNK_BLOCKS}-block chunks)")
         self.method, self.window, self.ratio = method, window, ratio
         self.group = round(1 / ratio)  # rows in, per row out
+
+    @property
+    def key(self) -> tuple[str, int, float]:
+        """What makes two compressors give the same rows (a session's turns must agree on it)."""
+        return self.method, self.window, self.ratio
 
     def due(self, table: PagedKVCache) -> bool:
         """Whether a chunk of exact rows lies wholly before the recent window."""
@@ -118,17 +131,60 @@ class KVCompressor:
         return k.gather(0, idx), v.gather(0, idx)
 
 
+@dataclass(frozen=True, slots=True)
+class KVCompression:
+    """A request's (or a session's) choice of KV compression; a field left unset ("" / None) takes
+    the server's KV_COMPRESS setting of the same name."""
+
+    method: str = ""  # off, mean or sink-heavy
+    window: int | None = None
+    ratio: float | None = None
+
+
+def unsupported(fmt_name: str, attention_span: int = 0, kernels: bool = False) -> str:
+    """Why this server cannot compress a table (a quantized format, a sliding window or chunked
+    attention, the CUDA kernels' decode path); "" where it can."""
+    if fmt_name not in PLAIN:
+        return f"needs KV_DTYPE fp32, fp16 or bf16 (not {fmt_name})"
+    if attention_span:
+        return "does not combine with a sliding window or chunked attention"
+    if kernels:
+        return ("runs on the torch attention path; the CUDA kernels serve this KV format (model_runner does not "
+                "yet send compressed tables to torch attention)")
+    return ""
+
+
 def make_compressor(method: str, window: int, ratio: float, fmt_name: str, *, attention_span: int = 0,
                     kernels: bool = False) -> KVCompressor | None:
     """The KVCompressor of the KV_COMPRESS settings (None: off). Refuses what it cannot serve:
     a quantized format, a sliding window or chunked attention, the CUDA kernels' decode path."""
     if method == "off":
         return None
-    if fmt_name not in PLAIN:
-        raise ValueError(f"KV_COMPRESS={method} needs KV_DTYPE fp32, fp16 or bf16 (not {fmt_name})")
-    if attention_span:
-        raise ValueError(f"KV_COMPRESS={method} does not combine with a sliding window or chunked attention")
-    if kernels:
-        raise ValueError(f"KV_COMPRESS={method} runs on the torch attention path; the CUDA kernels serve this "
-                         "KV format (model_runner does not yet send compressed tables to torch attention)")
+    why = unsupported(fmt_name, attention_span, kernels)
+    if why:
+        raise ValueError(f"KV_COMPRESS={method} {why}")
     return KVCompressor(method, window, ratio)
+
+
+def choose(choice: KVCompression | None, method: str, window: int, ratio: float, why_not: str
+           ) -> KVCompressor | None:
+    """The KVCompressor of a request's choice, its unset fields the server's settings (method,
+    window, ratio). why_not: unsupported()'s answer for this server. Raises InvalidRequest naming
+    the request's fields: an unknown method, a window or ratio out of range, or compression asked
+    of a server that cannot do it."""
+    choice = choice or KVCompression()
+    method = choice.method or method
+    window = window if choice.window is None else choice.window
+    ratio = ratio if choice.ratio is None else choice.ratio
+    bad = []
+    if method not in METHODS:
+        bad.append(("kv_compress", f"{method[:32]!r} is not a method: expected one of {', '.join(METHODS)}"))
+    if window < 0:
+        bad.append(("kv_compress_window", f"is {window}; must be >= 0"))
+    if ratio not in (0.5, 0.25):
+        bad.append(("kv_compress_ratio", f"is {ratio:g}; expected 0.5 or 0.25"))
+    if not bad and method != "off" and why_not:  # only a request's own method can get here
+        bad.append(("kv_compress", f"{method} is not available on this server: it {why_not}"))
+    if bad:
+        raise InvalidRequest(bad)
+    return None if method == "off" else KVCompressor(method, window, ratio)

@@ -54,7 +54,7 @@ class KVManager:
         """shift_keys(k, delta): keys re-rotated delta positions back (Model.shift_keys), for
         context shifts of plain formats; None: a shift recomputes what follows the kept head."""
         self.shift_keys = shift_keys
-        self.compressor = None  # KV_COMPRESS's KVCompressor (compress.py); None: off
+        self.compressor = None  # the server's KV_COMPRESS (compress.py), new tables' default; None: off
         self.pool = pool
         self.tiers = tiers
         self.prefix = prefix  # None: no sharing across requests (PREFIX_CACHE=0, or a window)
@@ -74,8 +74,11 @@ class KVManager:
 
     # what the pool holds
 
-    def new_table(self) -> PagedKVCache:
-        return PagedKVCache(self.pool)
+    def new_table(self, compressor=...) -> PagedKVCache:
+        """compressor: the table's KVCompressor, None to keep it exact (default: the server's)."""
+        table = PagedKVCache(self.pool)
+        table.compressor = self.compressor if compressor is ... else compressor
+        return table
 
     @property
     def used(self) -> int:
@@ -117,10 +120,10 @@ class KVManager:
 
     def compress(self, table: PagedKVCache) -> None:
         """After a step: KV_COMPRESS pools or picks the rows now older than its window."""
-        if self.compressor is None or not self.compressor.due(table):
+        if table.compressor is None or not table.compressor.due(table):
             return
         before = table.rows
-        freed = self.compressor.compress(table)
+        freed = table.compressor.compress(table)
         if freed:
             self._emit("kv.compress", table, freed, rows_before=before, rows_after=table.rows, tokens=table.length)
 

@@ -21,6 +21,7 @@ class PagedKVCache:
         # rows after them are exact, position p in row p - removed (rows: length - removed)
         self.removed = 0
         self.compressed_to = 0
+        self.compressor = None  # its KVCompressor (the request's or the server's KV_COMPRESS); None: exact
 
     @property
     def rows(self) -> int:

@@ -53,7 +53,7 @@ async def submit(gen: Generator, call: Call, request_id: str, settings: Settings
                 seed = None if params.seed is None else (params.seed + i) % 2**64
                 index = p * call.n + i
                 r = gen.submit(ids, replace(params, seed=seed), f"{request_id}-{index}", cache_salt=req.cache_salt,
-                               adapter=req.adapter)
+                               adapter=req.adapter, kv_compress=convert.kv_compress_of(req))
                 choices.append(Choice(index, p, ids, r))
     except BaseException:
         for c in choices:
@@ -66,7 +66,8 @@ async def submit_turn(session: Session, call: Call, request_id: str, settings: S
     """The call as the next turn of session (one prompt, one choice), as a gRPC call in it runs:
     messages join the conversation, a prompt or token ids continue its token history."""
     req = call.requests[0]
-    r = await session.request(convert.prompt_of(req, settings), params_of(call), f"{request_id}-0")
+    r = await session.request(convert.prompt_of(req, settings), params_of(call), f"{request_id}-0",
+                              kv_compress=convert.kv_compress_of(req))
     return [Choice(0, 0, list(req.prompt_token_ids), r)]
 
 

@@ -267,6 +267,23 @@ def _messages(b: _Body) -> list[pb.ChatMessage]:
     return out
 
 
+def kv_compress_fields(b: _Body) -> dict:
+    """kvgen's extra body fields for KV compression (GenerateRequest's: kv_compress,
+    kv_compress_window, kv_compress_ratio), as given; absent ones take the server's."""
+    out = {"kv_compress": b.get("kv_compress", str, ""), "kv_compress_window": b.get("kv_compress_window", int),
+           "kv_compress_ratio": b.get("kv_compress_ratio", float)}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def session_kv_compress(body: dict):
+    """A session's KV compression from POST /v1/sessions' body (the same fields); None: the server's."""
+    b = _Body(body)
+    fields = kv_compress_fields(b)
+    if b.bad:
+        raise InvalidRequest(b.bad)
+    return convert.kv_compress_of(pb.CreateSessionRequest(**fields))
+
+
 def _prompts(b: _Body) -> list[dict]:
     """A completion's prompt(s): text, texts, token ids, or lists of token ids."""
     p = b.body.get("prompt")
@@ -291,13 +308,14 @@ def _is_id(x) -> bool:
 def _finish(b: _Body, call: Call, prompts: list[dict], sampling: pb.SamplingParams, settings: Settings) -> Call:
     user = b.get("user", str, "")
     salt = user if len(user) <= convert.MAX_ID_CHARS else hashlib.sha256(user.encode()).hexdigest()
+    compression = kv_compress_fields(b)
     if len(prompts) * call.n > settings.max_batch_entries:
         b.bad.append(("n", f"{len(prompts)} prompt(s) x n = {len(prompts) * call.n} choices; at most "
                            f"{settings.max_batch_entries} (MAX_BATCH_ENTRIES)"))
     bad = b.bad
     if not bad:
         for i, prompt in enumerate(prompts):
-            req = pb.GenerateRequest(sampling=sampling, cache_salt=salt, **prompt)
+            req = pb.GenerateRequest(sampling=sampling, cache_salt=salt, **prompt, **compression)
             try:
                 convert.check_request(req, settings)
             except InvalidRequest as e:

@@ -23,6 +23,7 @@ from kvgen.errors import InvalidRequest, NotFound, Overloaded, Unavailable
 from kvgen.service import convert
 from kvgen.service.errors import clip
 from kvgen.service.http.errors import HttpError
+from kvgen.service.http.params import session_kv_compress
 from kvgen.service.routing import SESSION_HEADER
 
 
@@ -39,7 +40,8 @@ class SessionRoutes:
 
     async def create(self, request: web.Request) -> web.Response:
         """Body (optional): {"session_id": "..."}, the client's choice of id (else the
-        x-session-id header's, else the server picks one)."""
+        x-session-id header's, else the server picks one); kv_compress, kv_compress_window,
+        kv_compress_ratio: every turn's KV compression (else the server's)."""
         gen = self.routes.ready()
         body = await _read_body(request)
         wanted = body.get("session_id") or ""
@@ -61,7 +63,9 @@ class SessionRoutes:
         model = body.get("model") or ""  # a LoRA adapter's name, as a completion's `model` names one
         if not isinstance(model, str):
             raise InvalidRequest([("model", "must be a string")])
-        s = gen.new_session(wanted, adapter="" if model in (gen.cfg.name, "kvgen") else model)  # routes.MODEL_ALIAS
+        compression = session_kv_compress(body)
+        s = gen.new_session(wanted, adapter="" if model in (gen.cfg.name, "kvgen") else model,  # routes.MODEL_ALIAS
+                            kv_compress=compression)
         self.owners[s.session_id] = key
         return web.json_response({"object": "session", "session_id": s.session_id,
                                   "ttl_seconds": int(gen.options.session_ttl_s)})
