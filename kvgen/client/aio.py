@@ -22,7 +22,7 @@ from kvgen.client.channels import open_aio_channel, serving_status
 from kvgen.client.errors import Cancelled, KvgenError, NotFound, from_rpc_error, from_status
 from kvgen.client.retry import DEFAULT, Retry, deadline_of, remaining
 from kvgen.client.sync import collect, collect_batch
-from kvgen.client.wire import Metadata, Prompt, auth_metadata, replica_of, request, with_session
+from kvgen.client.wire import Metadata, Prompt, auth_metadata, replica_of, request, session_request, with_session
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
@@ -194,22 +194,24 @@ class AsyncClient:
         await self._unary(self.stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name, timeout_seconds=wait),
                           timeout, self.metadata)
 
-    async def open_session(self, session_id: str = "", timeout: float | None = None) -> r.SessionInfo:
+    async def open_session(self, session_id: str = "", timeout: float | None = None, **options) -> r.SessionInfo:
+        """As Client.open_session."""
         sid = session_id or uuid.uuid4().hex
-        resp, _ = await self._unary(self.stub.CreateSession, pb.CreateSessionRequest(session_id=sid), timeout,
+        resp, _ = await self._unary(self.stub.CreateSession, session_request(sid, **options), timeout,
                                     with_session(self.metadata, sid))
         return r.SessionInfo(resp.session_id, resp.ttl_seconds)
 
-    async def create_session(self, session_id: str = "", timeout: float | None = None) -> str:
-        return (await self.open_session(session_id, timeout)).session_id
+    async def create_session(self, session_id: str = "", timeout: float | None = None, **options) -> str:
+        return (await self.open_session(session_id, timeout, **options)).session_id
 
     async def close_session(self, session_id: str, timeout: float | None = None) -> None:
         await self._unary(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), timeout,
                           with_session(self.metadata, session_id))
 
-    def session(self, session_id: str = "", timeout: float | None = None) -> AsyncSession:
-        """A session, opened by awaiting it or by entering it (`async with`; closed on leaving)."""
-        return AsyncSession(self, session_id, timeout)
+    def session(self, session_id: str = "", timeout: float | None = None, **options) -> AsyncSession:
+        """A session (open_session's options), opened by awaiting it or by entering it (`async with`;
+        closed on leaving)."""
+        return AsyncSession(self, session_id, timeout, **options)
 
     async def close(self) -> None:
         await self.channel.close()
@@ -224,13 +226,13 @@ class AsyncClient:
 class AsyncSession:
     """Session's twin; `s = await client.session()` or `async with client.session() as s:`."""
 
-    def __init__(self, client: AsyncClient, session_id: str = "", timeout: float | None = None):
-        self.client, self._want, self._timeout = client, session_id, timeout
+    def __init__(self, client: AsyncClient, session_id: str = "", timeout: float | None = None, **options):
+        self.client, self._want, self._timeout, self._options = client, session_id, timeout, options
         self.info: r.SessionInfo | None = None
 
     async def open(self) -> AsyncSession:
         if self.info is None:
-            self.info = await self.client.open_session(self._want, self._timeout)
+            self.info = await self.client.open_session(self._want, self._timeout, **self._options)
         return self
 
     def __await__(self):

@@ -13,7 +13,7 @@ from kvgen.client import results as r
 from kvgen.client.channels import open_channel, serving_status
 from kvgen.client.errors import KvgenError, NotFound, from_rpc_error, from_status
 from kvgen.client.retry import DEFAULT, Retry, deadline_of, remaining
-from kvgen.client.wire import Metadata, Prompt, auth_metadata, replica_of, request, with_session
+from kvgen.client.wire import Metadata, Prompt, auth_metadata, replica_of, request, session_request, with_session
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
@@ -221,25 +221,27 @@ class Client:
         self._unary(self.stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name, timeout_seconds=wait), timeout,
                     self.metadata)
 
-    def open_session(self, session_id: str = "", timeout: float | None = None) -> r.SessionInfo:
+    def open_session(self, session_id: str = "", timeout: float | None = None, **options) -> r.SessionInfo:
         """Open a session under session_id (default: a fresh random id, chosen here so that the
-        CreateSession call itself is routed by it, to the replica its later turns go to)."""
+        CreateSession call itself is routed by it, to the replica its later turns go to). options:
+        what every turn runs with: adapter, kv_compress, kv_compress_window, kv_compress_ratio."""
         sid = session_id or uuid.uuid4().hex
-        resp, _ = self._unary(self.stub.CreateSession, pb.CreateSessionRequest(session_id=sid), timeout,
+        resp, _ = self._unary(self.stub.CreateSession, session_request(sid, **options), timeout,
                               with_session(self.metadata, sid))
         return r.SessionInfo(resp.session_id, resp.ttl_seconds)
 
-    def create_session(self, session_id: str = "", timeout: float | None = None) -> str:
+    def create_session(self, session_id: str = "", timeout: float | None = None, **options) -> str:
         """open_session, its id only."""
-        return self.open_session(session_id, timeout).session_id
+        return self.open_session(session_id, timeout, **options).session_id
 
     def close_session(self, session_id: str, timeout: float | None = None) -> None:
         self._unary(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id), timeout,
                     with_session(self.metadata, session_id))
 
-    def session(self, session_id: str = "", timeout: float | None = None) -> Session:
-        """Open a session and return it; `with client.session() as s:` closes it at the end."""
-        return Session(self, self.open_session(session_id, timeout))
+    def session(self, session_id: str = "", timeout: float | None = None, **options) -> Session:
+        """Open a session (open_session's options) and return it; `with client.session() as s:`
+        closes it at the end."""
+        return Session(self, self.open_session(session_id, timeout, **options))
 
     def close(self) -> None:
         self.channel.close()

@@ -29,6 +29,15 @@ def _message(m) -> pb.ChatMessage:
     return pb.ChatMessage(role=m.role, content=m.content)
 
 
+def session_request(session_id: str, adapter: str = "", kv_compress: str = "",
+                    kv_compress_window: int | None = None,
+                    kv_compress_ratio: float | None = None) -> pb.CreateSessionRequest:
+    """A CreateSessionRequest: what every turn of the session runs with (a LoRA adapter's name, the
+    KV compression; "" / None: the base model, the server's compression)."""
+    return pb.CreateSessionRequest(session_id=session_id, adapter=adapter, kv_compress=kv_compress,
+                                   kv_compress_window=kv_compress_window, kv_compress_ratio=kv_compress_ratio)
+
+
 def request(prompt: Prompt, session_id: str = "", request_id: str = "", cache_salt: str = "",
             adapter: str = "", kv_compress: str = "", kv_compress_window: int | None = None,
             kv_compress_ratio: float | None = None, **sampling) -> pb.GenerateRequest:

@@ -118,6 +118,19 @@ def test_batch_stream_tags_each_delta_by_entry_and_fails_one_alone(client, tiny_
         time.sleep(0.02)
 
 
+def test_a_session_is_opened_with_what_its_turns_run_with(client, tiny_kvgen):
+    with client.session("client-compressed", kv_compress="sink-heavy", kv_compress_window=64) as s:
+        assert tiny_kvgen.gen.sessions[s.id].cache.compressor.key[0] == "sink-heavy"
+        assert len(s.generate("Once upon a time", **GREEDY).token_ids) == 6  # a turn naming nothing: the session's
+        with pytest.raises(InvalidArgument) as e:  # a turn may only name the session's own
+            s.generate("Once upon a time", kv_compress="mean", **GREEDY)
+        assert [v.field for v in e.value.field_violations] == ["kv_compress"]
+    with pytest.raises(InvalidArgument):  # the options travel: an unknown method is refused at create
+        client.create_session(kv_compress="zip")
+    with pytest.raises(NotFound, match="no-such-adapter"):
+        client.open_session(adapter="no-such-adapter")
+
+
 def test_a_session_keeps_its_conversation(client, tiny_kvgen):
     with client.session("client-chat-1") as s:
         assert s.id == "client-chat-1" and s.info.ttl_seconds > 0
