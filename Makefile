@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora eagle-head clean
+.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora lora-adapter eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
@@ -142,8 +142,13 @@ bench-serving: $(STAMP) $(STUBS)
 # kvgen next to llama-bench on the embedded model re-encoded as Q4_K_M/Q5_K_M/Q6_K/Q8_0 (made offline,
 # with llama-quantize/llama-bench built from the same sdist): bench/results/models.md
 # 16 streams over 8 random LoRA adapters vs 16 on the base model, one engine: bench/results/lora.md
-bench-lora: $(STAMP) $(STUBS)
+bench-lora: $(STAMP) $(STUBS) lora-adapter
 	$(PY) bench/lora.py $(LORA_ARGS)
+	$(PY) bench/lora_trained.py
+
+# a short PEFT LoRA run on the embedded model (answers as JSON), never committed: bench/.cache/adapters
+lora-adapter: $(STAMP)
+	test -f bench/.cache/adapters/json-lora/adapter_config.json || $(PY) bench/train_lora.py
 
 bench-models: $(STAMP) $(STUBS)
 	bash bench/setup_models.sh
