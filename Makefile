@@ -140,7 +140,8 @@ bench-serving: $(STAMP) $(STUBS)
 	$(PY) bench/serving.py
 
 # kvgen next to llama-bench on the embedded model re-encoded as Q4_K_M/Q5_K_M/Q6_K/Q8_0 (made offline,
-# with llama-quantize/llama-bench built from the same sdist): bench/results/models.md
+# with llama-quantize/llama-bench built from the same sdist), and one ~1B file per model family;
+# MODELS=families runs the family rows only: bench/results/models.md
 # 16 streams over 8 random LoRA adapters vs 16 on the base model, one engine: bench/results/lora.md
 bench-lora: $(STAMP) $(STUBS) lora-adapter
 	$(PY) bench/lora.py $(LORA_ARGS)
@@ -151,8 +152,8 @@ lora-adapter: $(STAMP)
 	test -f bench/.cache/adapters/json-lora/adapter_config.json || $(PY) bench/train_lora.py
 
 bench-models: $(STAMP) $(STUBS)
-	bash bench/setup_models.sh
-	$(PY) bench/models.py
+	MODELS=$(MODELS) bash bench/setup_models.sh
+	$(PY) bench/models.py --models $(or $(MODELS),all)
 
 bench-speculative: $(STAMP) $(STUBS)
 	bash bench/setup_llamacpp.sh

@@ -1,6 +1,7 @@
 """An HF folder of a real model's shape with random weights, for the bench's large files.
 
     python bench/make_shaped_model.py {1.7b,8b} OUT_FOLDER
+    python bench/make_shaped_model.py {llama,mistral,qwen2,qwen3,gemma2,gemma3,phi3} OUT_FOLDER
 
 Only speed and memory mean something on these models: the weights are random (normal, std 0.02,
 bf16), the tokenizer is the embedded SmolLM2's (49152 tokens), so the 8B shape is Llama 3.1 8B's
@@ -9,6 +10,16 @@ layers over SmolLM2's vocabulary (7.2B parameters, not 8.0). The folder is what
 one layer at a time so that an 8B model never needs 16 GB of memory: transformers' own random
 init would hold the whole model. bench/setup_models.sh converts it with llama.cpp's
 convert_hf_to_gguf.py and quantizes it with llama-quantize.
+
+The family shapes (FAMILY_SHAPES, for `make bench-models MODELS=families`) are each family's real
+model's widths (hidden, intermediate, heads, KV heads, head_dim, the family's own features: qkv bias,
+q/k norms, windows, soft-caps), with fewer layers where the real model is far past 1B, over
+SmolLM2's vocabulary (49152 tokens, not the real ones' 32k-262k), so each is 0.4B-1.2B parameters.
+gemma2's converter takes a vocabulary only from a sentencepiece tokenizer.model, and qwen2's refuses
+SmolLM2's BPE (transformers rebuilds a qwen2 folder's tokenizer with Qwen2's pre-tokenizer, whose hash
+the converter does not know) but takes a tokenizer.model first: their folders get tests/tiny.py's small
+one, padded by the converter to 49152 tokens. Any family's layers are listed
+by transformers' own model class built on the meta device (no memory), then written a layer at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +38,94 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=False),
 }
+
+# (transformers config fields per family) the real model's widths; `layers` of `real` when reduced
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+FAMILY_SHAPES = {
+    "llama": ("Llama 3.2 1B", 16, dict(  # all 16 layers
+        max_position_embeddings=131072, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rope_parameters=LLAMA3_ROPE,
+        tie_word_embeddings=True)),
+    "mistral": ("Mistral 7B v0.3", 32, dict(  # 3 of 32 layers
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=3, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, sliding_window=None, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2.5 0.5B", 24, dict(  # all 24 layers
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3 0.6B", 28, dict(  # all 28 layers
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rope_theta=1000000.0, tie_word_embeddings=True)),
+    "gemma2": ("Gemma 2 2B", 26, dict(  # 12 of 26 layers
+        hidden_size=2304, intermediate_size=9216, num_hidden_layers=12, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, sliding_window=4096, query_pre_attn_scalar=256,
+        attn_logit_softcapping=50.0, final_logit_softcapping=30.0, tie_word_embeddings=True)),
+    "gemma3": ("Gemma 3 1B", 26, dict(  # all 26 layers
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, sliding_window=512, query_pre_attn_scalar=256,
+        tie_word_embeddings=True)),
+    "phi3": ("Phi-3 mini", 32, dict(  # 7 of 32 layers
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=7, num_attention_heads=32,
+        num_key_value_heads=32, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "original_max_position_embeddings": 4096})),
+}
+MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model type where it is not the GGUF family
+
+
+def family_main(family: str, out: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from kvgen.engine.model_files import embedded_model_path
+
+    src = embedded_model_path()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(src), gguf_file=os.path.basename(src))
+    real, real_layers, shape = FAMILY_SHAPES[family]
+    cfg = AutoConfig.for_model(MODEL_TYPES.get(family, family), **{
+        "vocab_size": len(tok), "max_position_embeddings": 8192, "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id, **shape})
+    with torch.device("meta"):  # the parameters' names and shapes, no memory
+        model = AutoModelForCausalLM.from_config(cfg)
+    cfg.architectures = [type(model).__name__]
+    cfg.dtype = "bfloat16"
+    os.makedirs(out, exist_ok=True)
+    cfg.save_pretrained(out)
+    tok.save_pretrained(out)
+    if family in ("gemma2", "qwen2"):  # see the module doc
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        from tests.tiny import write_sentencepiece_model
+
+        write_sentencepiece_model(os.path.join(out, "tokenizer.model"))
+    if family == "phi3":  # a BPE phi3 (as Phi-4-mini ships): else the converter wants a tokenizer.model
+        path = os.path.join(out, "tokenizer_config.json")
+        with open(path) as f:
+            tc = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**tc, "tokenizer_class": "GPT2Tokenizer"}, f, indent=2)
+    groups: dict[int, dict] = {}
+    for name, p in model.named_parameters():  # a tied lm_head is the embedding's (listed once)
+        i = int(name.split(".")[2]) + 1 if name.startswith("model.layers.") else 0
+        groups.setdefault(i, {})[name] = tuple(p.shape)
+    del model
+    g = torch.Generator().manual_seed(0)
+
+    def make(name, shape):  # norms 1 (gemma's (1 + w): 2), the rest normal, std 0.02
+        if "norm" in name:
+            return torch.ones(shape, dtype=torch.bfloat16)
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    n = len(groups)
+    names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    index, params = {}, 0
+    for i, name in enumerate(names):
+        tensors = {k: make(k, s) for k, s in groups[i].items()}
+        params += sum(t.numel() for t in tensors.values())
+        save_file(tensors, os.path.join(out, name), metadata={"format": "pt"})
+        index.update(dict.fromkeys(tensors, name))
+    total = sum(os.path.getsize(os.path.join(out, f)) for f in names)
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": index}, f, indent=1)
+    print(f"{out}: {family} at {real}'s widths, {shape['num_hidden_layers']} of {real_layers} layers, "
+          f"{params / 1e9:.2f}B parameters ({total / 2**30:.2f} GiB of bf16) in {n} shards")
 
 
 def main(shape: str, out: str) -> None:
@@ -77,6 +176,6 @@ def main(shape: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in SHAPES:
+    if len(sys.argv) != 3 or sys.argv[1] not in (*SHAPES, *FAMILY_SHAPES):
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2])
+    (main if sys.argv[1] in SHAPES else family_main)(sys.argv[1], sys.argv[2])

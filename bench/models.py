@@ -26,6 +26,12 @@ torch on every core, best of 3), each peer's decode tok/s x file bytes against i
 against the issue's bound (1.2x the file + the KV pool). A kvgen round that cannot load a file
 (memory) is written as failed, not fatal.
 
+The family files (bench/make_shaped_model.py's FAMILY_SHAPES: each family at its real model's
+widths, ~0.4-1.2B parameters, SmolLM2's vocabulary, random weights, Q4_K_M by llama-quantize), where
+setup_models.sh made them, get the same rounds and a section of their own ("Families"), with the
+decode path kvgen's engine took for each (fused, or Model.forward and why). `--models families`
+(`make bench-models MODELS=families`) runs those rows only and rewrites only that section.
+
 Other processes on the cores slow both peers' rounds: the load average is printed and written.
 """
 
@@ -54,6 +60,9 @@ TYPES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")  # Q4_1: the embedded file 
 # present: decode reads the whole file a token, so they measure bandwidth, not arithmetic
 SHAPED = (("1.7B Q4_0", "shaped-1.7b.Q4_0.gguf"), ("1.7B Q4_K_M", "shaped-1.7b.Q4_K_M.gguf"),
           ("8B Q4_K_M", "shaped-8b.Q4_K_M.gguf"))
+# One file per family (bench/make_shaped_model.py FAMILY_SHAPES), where present
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES_HEADER = "## Families at a 1B-ish shape"
 ONE_ROUND_FROM = 2 * 2**30  # files this large get one round a peer (a kvgen round of the 8B file is minutes)
 BANDWIDTH_BYTES = 2 * 2**30
 PREFILL, NEW_TOKENS = 512, 128
@@ -142,6 +151,8 @@ def kvgen_round(path: str) -> dict:
         "fused": runner.fused is not None,
         "fused_steps": fused_steps[0],
         "kernels": kernel_path(model),
+        "decode_path": runner.decode_path,
+        "decode_path_reason": runner.decode_path_reason,
         "load_s": load_s,
         "rss_mib": mem,
         "threads": torch.get_num_threads(),
@@ -279,9 +290,18 @@ def tensor_types(path: str) -> str:
     return ", ".join(f"{k} {v}" for k, v in types.most_common())
 
 
-def files() -> list[tuple[str, str]]:
+def family_files() -> list[tuple[str, str]]:
+    return [(f, str(MODELS / f"family-{f}.Q4_K_M.gguf")) for f in FAMILIES
+            if (MODELS / f"family-{f}.Q4_K_M.gguf").exists()]
+
+
+def files(models: str = "all") -> list[tuple[str, str]]:
     from kvgen.engine.model_files import embedded_model_path
 
+    if models == "families":
+        if not family_files():
+            raise SystemExit(f"no family-*.Q4_K_M.gguf in {MODELS}: run MODELS=families bash bench/setup_models.sh")
+        return family_files()
     out = []
     for ty in TYPES:
         path = embedded_model_path() if ty == "Q4_1" else str(MODELS / f"SmolLM2-135M-Instruct.{ty}.gguf")
@@ -289,7 +309,7 @@ def files() -> list[tuple[str, str]]:
             raise SystemExit(f"{path} missing: run bash bench/setup_models.sh")
         out.append((ty, path))
     out += [(name, str(MODELS / f)) for name, f in SHAPED if (MODELS / f).exists()]
-    return out
+    return out + family_files()
 
 
 CLEAN = 0.10  # a round is clean when other processes took at most this share of the CPUs
@@ -317,7 +337,7 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main() -> None:
+def main(models: str = "all") -> None:
     if not os.access(TOOLS / "llama-bench", os.X_OK):
         raise SystemExit(f"{TOOLS / 'llama-bench'} missing: run bash bench/setup_models.sh")
     rounds = int(os.environ.get("BENCH_ROUNDS", "3"))
@@ -327,7 +347,7 @@ def main() -> None:
     budget = [float(os.environ.get("BENCH_QUIET_BUDGET", "600"))]  # seconds of waiting for quiet, in all
     commit = git_commit()
     results = []
-    for ty, path in files():
+    for ty, path in files(models):
         kv, lb = [], []
         n = 1 if os.path.getsize(path) >= ONE_ROUND_FROM else rounds
         # rounds until each peer has `n` clean ones (others <= CLEAN) or ran 2 * n times
@@ -357,7 +377,14 @@ def main() -> None:
     now = git_commit()
     if now != commit:
         commit = f"{commit}, then {now} (the tree changed during the run)"
-    write(results, rounds, name, flags, load0, time.time() - t0, commit, bandwidth)
+    if models == "families":
+        write_families(results, rounds, name, flags, load0, time.time() - t0, commit)
+    else:
+        write([r for r in results if r[0] not in FAMILIES], rounds, name, flags, load0, time.time() - t0, commit,
+              bandwidth)
+        if any(r[0] in FAMILIES for r in results):
+            write_families([r for r in results if r[0] in FAMILIES], rounds, name, flags, load0, time.time() - t0,
+                           commit)
 
 
 def large_rows(results, bandwidth) -> list[str]:
@@ -393,6 +420,63 @@ def large_rows(results, bandwidth) -> list[str]:
                      f"{dc * gb / gb_s:.0%} | {dc / tg:.2f}x | {used:.0f} | {m['kv_pool']:.0f} | {bound:.0f} | "
                      f"{'yes' if used <= bound else 'no'} |")
     return lines
+
+
+def family_shape(family: str) -> str:
+    sys.path.insert(0, str(ROOT))
+    from bench.make_shaped_model import FAMILY_SHAPES
+
+    real, layers, shape = FAMILY_SHAPES[family]
+    return (f"{real}: hidden {shape['hidden_size']}, ffn {shape['intermediate_size']}, "
+            f"{shape['num_hidden_layers']}/{layers} layers")
+
+
+def params_b(path: str) -> float:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_elements) for t in GGUFReader(path).tensors) / 1e9
+
+
+def write_families(results, rounds, cpu, flags, load0, secs, commit) -> None:
+    """The Families section of models.md, replacing the one there (the other sections kept)."""
+    lines = [
+        FAMILIES_HEADER + "\n",
+        f"{datetime.date.today()} · **{cpu}** · {cores()} cores · {flags} · kvgen at {commit}, `make serve`'s "
+        f"defaults · load average (1 min) at the start {load0[0]:.2f}, at the end {os.getloadavg()[0]:.2f} · "
+        f"{secs / 60:.1f} min · best of {rounds} round(s) per peer (clean ones first: see the others columns).\n",
+        "`make bench-models MODELS=families`: each family at its real model's widths (heads, KV heads, head dim, "
+        "its own features), layers reduced where the real model is past ~1B, over SmolLM2's vocabulary (49152 "
+        "tokens, not the real ones'), random weights (bench/make_shaped_model.py FAMILY_SHAPES), converted to "
+        "BF16 by convert_hf_to_gguf.py and quantized to Q4_K_M by llama-quantize (bench/setup_models.sh). "
+        "Decode path: the code kvgen's engine runs a decode step with (GetModelInfo.decode_path): fused "
+        "(kvgen/engine/fused_decode.py) or torch (Model.forward), and why.\n",
+        "| family | shape | params B | MiB | tensor types (2-D) | llama-bench pp512 tok/s | kvgen prefill tok/s | "
+        "prefill kvgen/llama | llama-bench tg128 tok/s | kvgen decode tok/s | decode kvgen/llama | decode path | "
+        "others (llama / kvgen) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fam, path, lb, kv in results:
+        head = (f"| {fam} | {family_shape(fam)} | {params_b(path):.2f} | {os.path.getsize(path) / 2**20:.0f} | "
+                f"{tensor_types(path)} | ")
+        lb, ok = clean(lb), clean(ran(kv))
+        pp, tg = max(x["pp_tps"] for x in lb), max(x["tg_tps"] for x in lb)
+        others = f"{max(x['others'] for x in lb):.0%} / " + (f"{max(x['others'] for x in ok):.0%}" if ok else "-")
+        if not ok:
+            lines.append(head + f"{pp:.0f} | kvgen failed: {kv[-1]['error'][:80]} | | {tg:.1f} | | | | {others} |")
+            continue
+        pf, dc = max(x["prefill_tps"] for x in ok), max(x["decode_tps"] for x in ok)
+        why = ok[0].get("decode_path_reason") or ""
+        path_s = ok[0].get("decode_path", "?") + (f" ({why})" if why else "")
+        lines.append(head + f"{pp:.0f} | {pf:.0f} | {pf / pp:.2f}x | {tg:.1f} | {dc:.1f} | {dc / tg:.2f}x | "
+                     f"{path_s} | {others} |")
+    text = OUT.read_text() if OUT.exists() else "# kvgen and llama-bench on the same GGUF files\n"
+    if FAMILIES_HEADER in text:  # the section runs to the next top-level section, or the end
+        before, _, after = text.partition(FAMILIES_HEADER)
+        rest = after.split("\n## ", 1)
+        text = before.rstrip("\n") + "\n\n" + ("## " + rest[1] if len(rest) > 1 else "")
+    section = "\n".join(lines) + "\n"
+    OUT.write_text(text.rstrip("\n") + "\n\n" + section)
+    print(section, flush=True)
 
 
 def write(results, rounds, cpu, flags, load0, secs, commit, bandwidth) -> None:
@@ -478,10 +562,12 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kvgen", metavar="FILE", help="one kvgen round on FILE; prints JSON (internal)")
     ap.add_argument("--bandwidth", action="store_true", help="the read bandwidth in GB/s (internal)")
+    ap.add_argument("--models", choices=("all", "families"), default=os.environ.get("MODELS") or "all",
+                    help="all files (default), or the family files only (MODELS=families)")
     args = ap.parse_args()
     if args.bandwidth:
         print(f"{read_bandwidth():.3f}", flush=True)
     elif args.kvgen:
         print(json.dumps(kvgen_round(args.kvgen)), flush=True)
     else:
-        main()
+        main(args.models)

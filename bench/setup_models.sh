@@ -4,6 +4,7 @@
 # bench/.cache (git-ignored). Never runs in `make test`.
 #
 #   bash bench/setup_models.sh        (idempotent: each step is skipped when done; FORCE=1 redoes all)
+#   MODELS=families bash bench/setup_models.sh   (steps 1, 2 and 5 only: the family files)
 #
 # 1. llama.cpp's tools, from the llama.cpp sources vendored in the llama-cpp-python sdist that
 #    bench/setup_llamacpp.sh and bench/setup_llama_server.sh build (so every llama.cpp peer is
@@ -35,6 +36,8 @@ tools="$cache/llama-tools"
 conv="$cache/convert-venv"
 models="$cache/models"
 types=(${MODEL_TYPES:-Q4_K_M Q5_K_M Q6_K Q8_0})
+only="${MODELS:-all}"
+[[ "$only" == families ]] && types=()
 force="${FORCE:-0}"
 start=$(date +%s)
 mkdir -p "$cache"
@@ -139,6 +142,7 @@ done
 #    1.7B: Q4_0 and Q4_K_M (~1 GB each); 8B: Q4_K_M (~4.3 GB), the file that shows whether kvgen
 #    loads and serves an 8B model on a 24 GB machine. About 10 minutes on 2 cores the first time.
 shaped=(${SHAPED-1.7b 8b})
+[[ "$only" == families ]] && shaped=()
 for shape in "${shaped[@]}"; do
     case "$shape" in 1.7b) qtypes=(Q4_0 Q4_K_M) ;; 8b) qtypes=(Q4_K_M) ;; *) echo "unknown shape $shape" >&2; exit 1 ;; esac
     need=0
@@ -161,5 +165,28 @@ for shape in "${shaped[@]}"; do
     rm -f "$bf16"
     echo "$shape-shaped files in $(( $(date +%s) - t )) s"
 done
-ls -l "$q41" "$models"/*.gguf
+# 5. the family files (FAMILIES="llama mistral qwen2 qwen3 gemma2 gemma3 phi3" by default; FAMILIES= skips
+#    them): each family at its real model's widths, layers reduced to ~1B where the real one is larger,
+#    SmolLM2's vocabulary (bench/make_shaped_model.py's FAMILY_SHAPES), random weights, made the same way
+#    as step 4's and quantized to Q4_K_M (~0.3-0.7 GB each). About 2 minutes a family on 2 cores.
+families=(${FAMILIES-llama qwen3 qwen2 gemma3 phi3 mistral gemma2})
+for family in "${families[@]}"; do
+    out="$models/family-$family.Q4_K_M.gguf"
+    [[ "$force" == 1 || ! -s "$out" ]] || continue
+    t=$(date +%s)
+    hf="$models/hf-family-$family"
+    bf16="$models/family-$family.BF16.gguf"
+    rm -rf "$hf"
+    "$venv_py" "$here/make_shaped_model.py" "$family" "$hf"
+    "$conv/bin/python" "$src/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$bf16.tmp" 2>&1 | tail -n 3
+    mv "$bf16.tmp" "$bf16"
+    rm -rf "$hf"
+    "$tools/bin/llama-quantize" "$bf16" "$out.tmp" Q4_K_M "$jobs" > "$models/quantize-family-$family.log" 2>&1 \
+        || { tail -n 20 "$models/quantize-family-$family.log" >&2; exit 1; }
+    mv "$out.tmp" "$out"
+    rm -f "$bf16"
+    echo "$family family file in $(( $(date +%s) - t )) s"
+done
+[[ "$only" == families ]] || ls -l "$q41"
+ls -l "$models"/*.gguf
 echo "setup_models done in $(( $(date +%s) - start )) s"
