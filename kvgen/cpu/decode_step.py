@@ -170,12 +170,13 @@ def _linear(parts, weights, x, y, room, sums, spare):  # pragma: no cover - comp
 
 
 @njit(cache=True, nogil=True)
-def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weights, table, head, widths,
+def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weights, table, head, qkv_bias, widths,
          cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
     """h [rows, hidden]: the rows' token embeddings (the caller looks them up: a GGUF's table stays
     quantized), the residual stream from then on (written over). table [layers, 4, parts, FIELDS]:
     each layer's qkv, o, gate_up and down as rows of parts (_linear); head [parts, FIELDS] the same
-    for the lm head; widths: the four outputs' columns, then the widest part that goes through the
+    for the lm head; qkv_bias [layers, qkv columns] added to qkv's output ([layers, 0]: no bias); widths: the
+    four outputs' columns, then the widest part that goes through the
     spare buffer (0: none does)."""
     rows, hidden = h.shape[0], h.shape[1]
     x = np.empty((rows, hidden), np.float32)
@@ -199,6 +200,9 @@ def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weight
         _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
                heads, kv_heads, head_dim, gu, act)
         _linear(table[layer, 0], weights, x, qkv_out, room, sums, spare)
+        for r in range(rows if qkv_bias.shape[1] else 0):  # fp32 adds, as Model.forward's out + b
+            for i in range(qkv_bias.shape[1]):
+                qkv_out[r, i] += qkv_bias[layer, i]
         if plain:
             _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
                    kv_heads, head_dim, gu, act)

@@ -10,7 +10,7 @@ model and KV format can take it (model_runner asks), the model's weights gathere
 arrays the step reads, and each step's rows, block tables and KV store turned into its arguments.
 It runs sequences of one new token each, however many, over fp32 keys and values or fp8 / q4, and
 over fp32 KV also prompt chunks and drafts' k + 1 tokens, as rows at consecutive positions; no
-window or chunked attention, no bias. Every other step takes Model.forward.
+window or chunked attention, no bias but q|k|v's. Every other step takes Model.forward.
 """
 
 from __future__ import annotations
@@ -118,15 +118,16 @@ def _supports_kv(fmt, head_dim: int) -> bool:
             and (fmt.qk_scale is None or fmt.qk_scale.dtype == torch.float32))
 
 
-def _why_not_linear(lin, name: str) -> str | None:
+def _why_not_linear(lin, name: str, bias: bool = False) -> str | None:
+    """bias: the step adds this linear's bias (qkv's: Qwen2's q/k/v biases)."""
     for part in _parts(lin):
         if not isinstance(part, BlockLinear):
             return f"{name} is not in GGUF blocks ({type(part).__name__}, {getattr(part, 'dtype', '?')})"
         if part.kind not in decode_step.KINDS:
             return f"{name} is in blocks of kind {part.kind}, which the step has no kernel for"
-        if part.b is not None:
+        if part.b is not None and not bias:
             return f"{name} has a bias"
-    return None if getattr(lin, "b", None) is None else f"{name} has a bias"
+    return None if bias or getattr(lin, "b", None) is None else f"{name} has a bias"
 
 
 class FusedDecode:
@@ -145,7 +146,7 @@ class FusedDecode:
             return f"architecture {cfg.architecture}: the step computes {', '.join(ARCHITECTURES)} layers only"
         for i, layer in enumerate(model.layers):
             for f in FAMILIES:
-                if (why := _why_not_linear(getattr(layer, f), f"layer {i}'s {f}")) is not None:
+                if (why := _why_not_linear(getattr(layer, f), f"layer {i}'s {f}", bias=f == "qkv")) is not None:
                     return why
         if (why := _why_not_linear(model.lm_head, "the lm head")) is not None:
             return why
@@ -170,6 +171,11 @@ class FusedDecode:
         self.ln2 = np.stack([layer.ln2.w.numpy() for layer in layers])
         self.norm = model.norm.w.numpy()
         linears = [getattr(layer, f) for layer in layers for f in FAMILIES]
+        # q|k|v biases (Qwen2), added to the qkv output before RoPE as Model.forward adds them; [layers, 0]: none
+        biases = [layer.qkv.b for layer in layers]
+        self.qkv_bias = (np.stack([np.zeros(layer.qkv.out_features, np.float32) if b is None else b.float().numpy()
+                                   for layer, b in zip(layers, biases, strict=True)])
+                         if any(b is not None for b in biases) else np.zeros((len(layers), 0), np.float32))
         head = model.lm_head
         weights = _Weights([*linears, head])
         most = max(len(_parts(lin)) for lin in [*linears, head])
@@ -244,7 +250,7 @@ class FusedDecode:
             blocks, slot = paged_attention.blocks_read(tables, positions, kv.shape[3], kv.shape[0])
             kt = decode_step.aligned((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]))
         decode_step.step(self.embed.rows(tokens), positions, tables, kv, kvq, blocks, slot, kt, self.ln1, self.ln2,
-              self.norm, self.weights, self.table, self.head, self.widths, self.cos, self.sin,
+              self.norm, self.weights, self.table, self.head, self.qkv_bias, self.widths, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
               need, logits, self._no_features if features is None else features)
         return torch.from_numpy(logits[:, :self.vocab])

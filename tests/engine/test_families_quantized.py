@@ -70,10 +70,6 @@ ROUNDING = 1e-3
 # scale of the values the kernels rounded: measured here 1.2e-3 (gemma2 Q4_0 / Q4_1) and 2.0e-3
 # (gemma3 Q2_K) of it, with the greedy tokens equal. The bound for the soft-capped families:
 SOFTCAPPED_ROUNDING = 3e-3
-# fused_decode.ARCHITECTURES lists qwen2, but FusedDecode.why_not refuses any linear with a bias
-# (fused_decode.py, _why_not_linear: "layer 0's qkv has a bias"), and every Qwen2 has q/k/v biases:
-# no qwen2 file takes the fused step. A kvgen bug, reported; the test says what the claim means.
-QWEN2_BIAS = "fused_decode.ARCHITECTURES claims qwen2, but _why_not_linear refuses its q/k/v biases"
 
 
 def shape(family: str) -> dict:
@@ -198,8 +194,8 @@ def test_quantized_family_equals_transformers_on_the_files_weights(converted, tm
     gen = Generator(model, tok, EngineOptions())
     try:
         runner = gen.engine.runner
-        if family in ARCHITECTURES:  # the fused step claims these families (qwen2: QWEN2_BIAS)
-            assert runner.decode_path == "fused" or family == "qwen2", f"{family}: {runner.decode_path_reason}"
+        if family in ARCHITECTURES:  # the fused step claims these families (qwen2 with its q/k/v biases)
+            assert runner.decode_path == "fused", f"{family}: {runner.decode_path_reason}"
         else:
             assert runner.decode_path == "torch" and runner.decode_path_reason
         results = gen.batch_generate(prompts, SamplingParams(temperature=0, max_new_tokens=STEPS, ignore_eos=True))
@@ -216,8 +212,7 @@ def test_quantized_family_equals_transformers_on_the_files_weights(converted, tm
     assert err < bound * ref.abs().max().item(), f"{family} {qtype.name}: max |logit diff| {err}"
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xfail(strict=True, reason=QWEN2_BIAS))
-                                    if f == "qwen2" else f for f in ARCHITECTURES])
+@pytest.mark.parametrize("family", ARCHITECTURES)
 def test_the_fused_step_takes_every_family_it_claims(converted, tmp_path, family):
     """What GetModelInfo.decode_path reports for a quantized file of each family in ARCHITECTURES."""
     _, f32 = converted(family)
