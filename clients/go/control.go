@@ -76,3 +76,34 @@ func (c *Client) Load(ctx context.Context) (*Load, error) {
 	}
 	return l, nil
 }
+
+// Adapter is a LoRA adapter the server holds.
+type Adapter struct {
+	Name string
+	// Its highest rank and the modules it adapts (PEFT's names: q_proj, ..., down_proj).
+	Rank          int
+	TargetModules []string
+}
+
+// LoadAdapter loads a LoRA adapter while the server runs, from path on the server's file system (a
+// PEFT folder or a llama.cpp GGUF LoRA file); requests may name it once LoadAdapter returns.
+// Admin-only where the server sets API keys. InvalidArgument: a bad or foreign adapter;
+// AlreadyExists: the name is loaded; ResourceExhausted: the server's MAX_LORAS are loaded.
+func (c *Client) LoadAdapter(ctx context.Context, name, path string) (*Adapter, error) {
+	r, err := c.rpc.LoadAdapter(c.outgoing(ctx, ""), &kvgenv1.LoadAdapterRequest{Name: name, Path: path})
+	if err != nil {
+		return nil, wrap(err)
+	}
+	a := r.GetAdapter()
+	return &Adapter{Name: a.GetName(), Rank: int(a.GetRank()), TargetModules: a.GetTargetModules()}, nil
+}
+
+// UnloadAdapter unloads an adapter: from the call on, requests naming it get NotFound, and the
+// requests already running with it finish first, for up to timeout (0: the server's 30 seconds);
+// FailedPrecondition when some still run then (the adapter stays loaded). NotFound when no
+// adapter of the name is loaded. Admin-only.
+func (c *Client) UnloadAdapter(ctx context.Context, name string, timeout time.Duration) error {
+	_, err := c.rpc.UnloadAdapter(c.outgoing(ctx, ""),
+		&kvgenv1.UnloadAdapterRequest{Name: name, TimeoutSeconds: timeout.Seconds()})
+	return wrap(err)
+}

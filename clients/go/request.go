@@ -20,6 +20,9 @@ type Request struct {
 	// KVCompress is the request's KV compression: "off", "mean" or "sink-heavy" ("": the server's
 	// KV_COMPRESS); lossy, and refused (InvalidArgument) where the server cannot compress.
 	KVCompress string
+	// Adapter is the LoRA adapter to run with, by name (the server's LORA_ADAPTERS or LoadAdapter;
+	// "": the base model); one not loaded is NotFound. In a session, the session's adapter.
+	Adapter   string
 	sessionID string // set by Session
 }
 
@@ -73,6 +76,7 @@ func (r Request) proto() *kvgenv1.GenerateRequest {
 	msg := &kvgenv1.GenerateRequest{Prompt: r.Prompt, PromptTokenIds: r.TokenIDs, Sampling: sp,
 		RequestId: r.RequestID, SessionId: r.sessionID, CacheSalt: r.CacheSalt}
 	msg.KvCompress = r.KVCompress
+	msg.Adapter = r.Adapter
 	for _, m := range r.Messages {
 		msg.Messages = append(msg.Messages, &kvgenv1.ChatMessage{Role: m.Role, Content: m.Content})
 	}

@@ -15,9 +15,18 @@ type Session struct {
 	c  *Client
 }
 
+// SessionOption configures CreateSession.
+type SessionOption func(*kvgenv1.CreateSessionRequest)
+
+// SessionAdapter runs every turn of the session with the LoRA adapter of that name (as
+// Request.Adapter); one not loaded fails CreateSession with NotFound.
+func SessionAdapter(name string) SessionOption {
+	return func(r *kvgenv1.CreateSessionRequest) { r.Adapter = name }
+}
+
 // CreateSession opens a session under id (empty: a random one chosen here, so that even the
 // CreateSession call is routed by it to the replica its turns will go to).
-func (c *Client) CreateSession(ctx context.Context, id string) (*Session, error) {
+func (c *Client) CreateSession(ctx context.Context, id string, opts ...SessionOption) (*Session, error) {
 	if id == "" {
 		var b [16]byte
 		if _, err := rand.Read(b[:]); err != nil {
@@ -25,7 +34,11 @@ func (c *Client) CreateSession(ctx context.Context, id string) (*Session, error)
 		}
 		id = hex.EncodeToString(b[:])
 	}
-	r, err := c.rpc.CreateSession(c.outgoing(ctx, id), &kvgenv1.CreateSessionRequest{SessionId: id})
+	msg := &kvgenv1.CreateSessionRequest{SessionId: id}
+	for _, o := range opts {
+		o(msg)
+	}
+	r, err := c.rpc.CreateSession(c.outgoing(ctx, id), msg)
 	if err != nil {
 		return nil, wrap(err)
 	}

@@ -80,7 +80,8 @@ function samplingValue(k, value) {
  * @param {object} [sampling] SamplingParams fields, snake_case or camelCase; one constraint at most:
  *   jsonSchema (a string or an object), regex, grammar (Lark), choice (an array of strings) or
  *   jsonObject: true; logitBias is an object of token id -> bias.
- * @param {{sessionId?: string, requestId?: string}} [opts]
+ * @param {{sessionId?: string, requestId?: string, adapter?: string}} [opts] adapter: a LoRA adapter's
+ *   name (the server's LORA_ADAPTERS or loadAdapter); unset: the base model.
  */
 function buildRequest(input, sampling = {}, opts = {}) {
   const req = {};
@@ -108,6 +109,7 @@ function buildRequest(input, sampling = {}, opts = {}) {
   req.sampling = s;
   if (opts.sessionId) req.sessionId = opts.sessionId;
   if (opts.requestId) req.requestId = opts.requestId;
+  if (opts.adapter) req.adapter = opts.adapter;
   return req;
 }
 
@@ -342,7 +344,8 @@ class KvgenClient {
    * Runs one request to completion.
    * @param {string | Array<{role: string, content: string}> | number[]} input
    * @param {object} [sampling] SamplingParams (temperature, top_k, top_p, max_new_tokens, ...)
-   * @param {{sessionId?: string, requestId?: string, deadlineMs?: number, signal?: AbortSignal, metadata?: object}} [opts]
+   * @param {{sessionId?: string, requestId?: string, adapter?: string, deadlineMs?: number, signal?: AbortSignal, metadata?: object}} [opts]
+   *   adapter: the LoRA adapter to run with, by name (NOT_FOUND when not loaded); in a session, the session's.
    * @returns {Promise<object>} GenerateResponse
    */
   generate(input, sampling, opts = {}) {
@@ -365,7 +368,7 @@ class KvgenClient {
 
   /**
    * Runs several requests together; one bad request does not fail the others.
-   * @param {Array<{input: any, sampling?: object, sessionId?: string, requestId?: string}>} requests
+   * @param {Array<{input: any, sampling?: object, sessionId?: string, requestId?: string, adapter?: string}>} requests
    * @param {{deadlineMs?: number, signal?: AbortSignal, metadata?: object}} [opts]
    * @returns {Promise<{results: Array<{result: 'response'|'error', response?: object, error?: {code: number, message: string, details: Array}}>}>}
    */
@@ -396,11 +399,14 @@ class KvgenClient {
   /**
    * Opens a session whose KV cache is kept between calls, under opts.sessionId or a fresh random
    * id chosen here (so that a mesh routes CreateSession itself by it, to where its turns will go).
+   * opts.adapter: the LoRA adapter every turn runs with (NOT_FOUND when not loaded).
    * @returns {Promise<{sessionId: string, ttlSeconds: number}>}
    */
   createSession(opts = {}) {
     const sessionId = opts.sessionId || crypto.randomUUID().replace(/-/g, '');
-    return this._unary('CreateSession', { sessionId }, { ...opts, sessionId });
+    const req = { sessionId };
+    if (opts.adapter) req.adapter = opts.adapter;
+    return this._unary('CreateSession', req, { ...opts, sessionId });
   }
 
   /** Frees a session and its KV cache. */
@@ -415,6 +421,28 @@ class KvgenClient {
    */
   abort(requestIds, opts = {}) {
     return this._unary('Abort', { requestIds }, opts);
+  }
+
+  /**
+   * Loads a LoRA adapter while the server runs, from `path` on the server's file system (a PEFT
+   * folder or a llama.cpp GGUF LoRA file); requests may name it once this resolves. Admin-only where
+   * the server sets API keys. INVALID_ARGUMENT: a bad or foreign adapter; ALREADY_EXISTS: the name
+   * is loaded; RESOURCE_EXHAUSTED: the server's MAX_LORAS are loaded.
+   * @returns {Promise<{name: string, rank: number, targetModules: string[]}>} the adapter
+   */
+  async loadAdapter(name, path, opts = {}) {
+    const r = await this._unary('LoadAdapter', { name, path }, opts);
+    const { name: loaded, rank, targetModules } = r.adapter;
+    return { name: loaded, rank, targetModules };
+  }
+
+  /**
+   * Unloads an adapter: from the call on, requests naming it get NOT_FOUND; the requests running
+   * with it finish first, for up to opts.timeoutSeconds (default: the server's 30 s), else
+   * FAILED_PRECONDITION and it stays loaded. NOT_FOUND when no adapter of the name is loaded. Admin-only.
+   */
+  async unloadAdapter(name, opts = {}) {
+    await this._unary('UnloadAdapter', { name, timeoutSeconds: opts.timeoutSeconds ?? 0 }, opts);
   }
 
   /** @returns {Promise<object>} GetLoadResponse: running, waiting, KV use, tokens/s... */

@@ -46,6 +46,32 @@ def start_server(tiny_pair):
         s.stop()
 
 
+LORA_ADAPTER = "tiny-lora"
+
+
+def write_tiny_adapter(folder: Path) -> Path:
+    """A random PEFT LoRA adapter (every projection, rank 4) of tiny_pair's model: its weights are
+    large enough to change greedy tokens."""
+    from tests.engine.test_lora import _hf_logging_quiet, write_adapter
+    from tests.tiny import tiny_bpe_tokenizer, write_hf_folder
+
+    _hf_logging_quiet()
+    cfg = tiny_config(vocab=TINY_VOCAB, layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, context=2048)
+    write_hf_folder(folder / "base", cfg, tiny_weights(cfg, seed=3), tiny_bpe_tokenizer(TINY_VOCAB))
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return write_adapter(folder / "base", folder / LORA_ADAPTER, targets, 4, 8, False, seed=0)
+
+
+@pytest.fixture(scope="module")
+def lora_server(start_server, tmp_path_factory):
+    """A tiny-model server with LORA_ADAPTER loaded; .adapter_path: its PEFT folder (the clients'
+    tests load it again at run time)."""
+    path = write_tiny_adapter(tmp_path_factory.mktemp("lora"))
+    s = start_server(engine={"lora_adapters": f"{LORA_ADAPTER}={path}"})
+    s.adapter_path = str(path)
+    return s
+
+
 @pytest.fixture(scope="module")
 def tiny_server(start_server):
     """A plain server with default settings but a small BatchGenerate limit."""

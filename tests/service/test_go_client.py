@@ -1,7 +1,8 @@
 """The Go client (clients/go) against a real server: `make -C clients/go test` installs Debian's
 Go toolchain and gRPC packages when missing, generates the stubs, vets and builds the client and
 its CLI, and runs `go test` on a tiny-model server (Generate, Stream, Batch, a session, cancellation and deadlines,
-BadRequest details, Abort and Load); then the CLI streams from it."""
+BadRequest details, Abort and Load, and a random LoRA adapter: Request.Adapter, SessionAdapter, NotFound for
+an unknown one, UnloadAdapter then LoadAdapter); then the CLI streams from it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.service.conftest import LORA_ADAPTER
 
 GO_DIR = Path(__file__).resolve().parents[2] / "clients" / "go"
 CLI = GO_DIR / ".build" / "bin" / "kvgen-go"
@@ -26,8 +29,8 @@ pytestmark = pytest.mark.skipif(not _can_install(), reason="no Go toolchain, and
 
 
 @pytest.fixture(scope="module")
-def go_server(start_server):
-    return start_server()
+def go_server(lora_server):
+    return lora_server
 
 
 def _make(*args: str, **env) -> subprocess.CompletedProcess:
@@ -39,12 +42,14 @@ def _make(*args: str, **env) -> subprocess.CompletedProcess:
 
 
 def test_go_client_suite(go_server):
-    p = _make("test", KVGEN_TARGET=go_server.target)
+    p = _make("test", KVGEN_TARGET=go_server.target, KVGEN_ADAPTER=LORA_ADAPTER,
+              KVGEN_ADAPTER_PATH=go_server.adapter_path)
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"go test failed ({p.returncode}):\n{out}"
     passed = re.findall(r"^--- PASS: (\w+)", out, re.M)
-    assert len(passed) >= 11 and not re.search(r"^--- (FAIL|SKIP)", out, re.M), out
-    assert {"TestAbortEndsARunningStream", "TestLoadSeesARunningRequest"} <= set(passed), out
+    assert len(passed) >= 14 and not re.search(r"^--- (FAIL|SKIP)", out, re.M), out
+    assert {"TestAbortEndsARunningStream", "TestLoadSeesARunningRequest", "TestAdapterChangesTheTokensEverywhere",
+            "TestUnknownAdapterIsNotFound", "TestUnloadThenLoadAdapter"} <= set(passed), out
     # every cancelled or timed-out call gave its KV blocks back
     deadline = time.time() + 10
     while go_server.gen.scheduler.kv.used and time.time() < deadline:
