@@ -261,7 +261,7 @@ def soak_server(start_server):
     return start_server()
 
 
-@pytest.mark.parametrize("duration", [30, pytest.param(150, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("duration", [20, pytest.param(150, marks=pytest.mark.slow)])
 @pytest.mark.timeout(600)
 def test_soak(soak_server, duration):
     server, tally = soak_server, Tally()
