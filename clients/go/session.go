@@ -24,6 +24,12 @@ func SessionAdapter(name string) SessionOption {
 	return func(r *kvgenv1.CreateSessionRequest) { r.Adapter = name }
 }
 
+// SessionKVCompress runs every turn of the session with that KV compression ("off", "mean",
+// "sink-heavy", as Request.KVCompress); a turn may then only name the same.
+func SessionKVCompress(method string) SessionOption {
+	return func(r *kvgenv1.CreateSessionRequest) { r.KvCompress = method }
+}
+
 // CreateSession opens a session under id (empty: a random one chosen here, so that even the
 // CreateSession call is routed by it to the replica its turns will go to).
 func (c *Client) CreateSession(ctx context.Context, id string, opts ...SessionOption) (*Session, error) {
