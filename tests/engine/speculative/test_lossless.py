@@ -232,6 +232,7 @@ def _oracle_check(embedded, int4_draft, prompts, concurrent, hf_model):
             g.close()
 
 
+@pytest.mark.slow  # for CI's time: test_prompt_lookup_over_the_default_weights_equals_plain_decoding stays
 def test_greedy_equals_plain_on_the_embedded_model(embedded, int4_draft, hf_model):
     _oracle_check(embedded, int4_draft, [RAW[4], RAW[1]], 1, hf_model)
 
