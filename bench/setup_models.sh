@@ -141,6 +141,26 @@ done
 #    converter, quantized by llama-quantize; the HF folder and the BF16 file are removed after.
 #    1.7B: Q4_0 and Q4_K_M (~1 GB each); 8B: Q4_K_M (~4.3 GB), the file that shows whether kvgen
 #    loads and serves an 8B model on a 24 GB machine. About 10 minutes on 2 cores the first time.
+# shaped_files SHAPE STEM TYPE...: make_shaped_model.py's SHAPE as an HF folder, converted to BF16, then
+# quantized to each TYPE as $models/STEM.TYPE.gguf (log: quantize-STEM-TYPE.log); the folder and the
+# BF16 file are removed after
+shaped_files() {
+    local shape=$1 stem=$2 ty out
+    shift 2
+    local hf="$models/hf-$stem" bf16="$models/$stem.BF16.gguf"
+    rm -rf "$hf"
+    "$venv_py" "$here/make_shaped_model.py" "$shape" "$hf"
+    "$conv/bin/python" "$src/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$bf16.tmp" 2>&1 | tail -n 3
+    mv "$bf16.tmp" "$bf16"
+    rm -rf "$hf"
+    for ty in "$@"; do
+        out="$models/$stem.$ty.gguf"
+        "$tools/bin/llama-quantize" "$bf16" "$out.tmp" "$ty" "$jobs" > "$models/quantize-$stem-$ty.log" 2>&1 \
+            || { tail -n 20 "$models/quantize-$stem-$ty.log" >&2; exit 1; }
+        mv "$out.tmp" "$out"
+    done
+    rm -f "$bf16"
+}
 shaped=(${SHAPED-1.7b 8b})
 [[ "$only" == families ]] && shaped=()
 for shape in "${shaped[@]}"; do
@@ -149,20 +169,7 @@ for shape in "${shaped[@]}"; do
     for ty in "${qtypes[@]}"; do [[ "$force" == 1 || ! -s "$models/shaped-$shape.$ty.gguf" ]] && need=1; done
     [[ "$need" == 1 ]] || continue
     t=$(date +%s)
-    hf="$models/hf-shaped-$shape"
-    bf16="$models/shaped-$shape.BF16.gguf"
-    rm -rf "$hf"
-    "$venv_py" "$here/make_shaped_model.py" "$shape" "$hf"
-    "$conv/bin/python" "$src/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$bf16.tmp" 2>&1 | tail -n 3
-    mv "$bf16.tmp" "$bf16"
-    rm -rf "$hf"
-    for ty in "${qtypes[@]}"; do
-        out="$models/shaped-$shape.$ty.gguf"
-        "$tools/bin/llama-quantize" "$bf16" "$out.tmp" "$ty" "$jobs" > "$models/quantize-$shape-$ty.log" 2>&1 \
-            || { tail -n 20 "$models/quantize-$shape-$ty.log" >&2; exit 1; }
-        mv "$out.tmp" "$out"
-    done
-    rm -f "$bf16"
+    shaped_files "$shape" "shaped-$shape" "${qtypes[@]}"
     echo "$shape-shaped files in $(( $(date +%s) - t )) s"
 done
 # 5. the family files (FAMILIES="llama mistral qwen2 qwen3 gemma2 gemma3 phi3" by default; FAMILIES= skips
@@ -174,17 +181,7 @@ for family in "${families[@]}"; do
     out="$models/family-$family.Q4_K_M.gguf"
     [[ "$force" == 1 || ! -s "$out" ]] || continue
     t=$(date +%s)
-    hf="$models/hf-family-$family"
-    bf16="$models/family-$family.BF16.gguf"
-    rm -rf "$hf"
-    "$venv_py" "$here/make_shaped_model.py" "$family" "$hf"
-    "$conv/bin/python" "$src/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$bf16.tmp" 2>&1 | tail -n 3
-    mv "$bf16.tmp" "$bf16"
-    rm -rf "$hf"
-    "$tools/bin/llama-quantize" "$bf16" "$out.tmp" Q4_K_M "$jobs" > "$models/quantize-family-$family.log" 2>&1 \
-        || { tail -n 20 "$models/quantize-family-$family.log" >&2; exit 1; }
-    mv "$out.tmp" "$out"
-    rm -f "$bf16"
+    shaped_files "$family" "family-$family" Q4_K_M
     echo "$family family file in $(( $(date +%s) - t )) s"
 done
 [[ "$only" == families ]] || ls -l "$q41"
