@@ -74,8 +74,6 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         params = convert.sampling_of(req)
         if span is not None:
             tracing.start_request(span, req, params, gen.cfg.name, request_id, stream, req.session_id)
-            if req.adapter:
-                span.set_attribute("kvgen.lora_adapter", req.adapter)
         convert.check_request(req, self.settings)  # the gate did it for a whole call; not for a batch entry
         prompt = convert.prompt_of(req, self.settings)
         if req.session_id:

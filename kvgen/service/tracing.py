@@ -50,6 +50,7 @@ from kvgen.service.metrics import FINISH_REASONS
 log = logging.getLogger("kvgen.tracing")
 PROVIDER = "kvgen"  # gen_ai.provider.name: the engine serving the model
 _OTLP = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+LORA_ADAPTER = "kvgen.lora_adapter"  # the request's LoRA adapter, on its request and phase spans
 _UNTRACED = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
              "grpc.reflection.v1.ServerReflection")
 
@@ -133,8 +134,12 @@ class Tracing:
         gen.scheduler.kv.listen(self.recorder.on_event)
 
     def on_submit(self, seq: Sequence) -> None:
-        """Caller's thread, before the engine sees seq: trace its KV if the caller's span is sampled."""
-        if self.recorder is not None and trace.get_current_span().is_recording():
+        """Caller's thread, before the engine sees seq: trace its KV if the caller's span is sampled, and
+        name its LoRA adapter there (a session's turn has it from the session, not from the call)."""
+        span = trace.get_current_span()
+        if self.recorder is not None and span.is_recording():
+            if seq.adapter is not None:
+                span.set_attribute(LORA_ADAPTER, seq.adapter.name)
             self.recorder.attach(seq, otel_context.get_current())
 
     def on_step(self, batch, seconds: float) -> None:
@@ -157,6 +162,8 @@ class Tracing:
         admitted, first = seq.admitted_at, seq.first_token_at
         ctx, tracer = rec.parent, self.tracer
         seq_attrs = {"kvgen.seq.id": seq.seq_id}
+        if seq.adapter is not None:  # each phase span says which adapter's weights its steps ran
+            seq_attrs[LORA_ADAPTER] = seq.adapter.name
         queue = tracer.start_span("kvgen.queue", ctx, start_time=ns(seq.arrival), attributes=seq_attrs)
         prefill = decode = None
         if admitted is not None:
@@ -226,6 +233,8 @@ def start_request(span, req, params, model: str, request_id: str, stream: bool, 
         attrs["gen_ai.request.stop_sequences"] = list(params.stop_strings)
     if session_id:
         attrs["gen_ai.conversation.id"] = session_id
+    if req.adapter:  # the adapter asked for (set before it is looked up: a refusal's span names it too)
+        attrs[LORA_ADAPTER] = req.adapter
     span.set_attributes(attrs)
 
 

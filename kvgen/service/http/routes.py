@@ -96,7 +96,7 @@ class OpenAIRoutes:
             return await self._stream(request, call, choices, out, span)
         results = await fanout.results(choices)
         answer = out.response(results)
-        _end_span(span, results, answer["usage"], gen.cfg.name)
+        _end_span(span, results, answer["usage"], out.model)  # as the answer names it (an adapter's name)
         return web.json_response(answer)
 
     async def _stream(self, request: web.Request, call: Call, choices, out: Renderer, span) -> web.StreamResponse:
