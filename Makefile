@@ -96,10 +96,13 @@ k8s-envoy: $(STAMP)
 	$(PY) deploy/envoy/render.py --k8s > deploy/k8s/envoy.yaml
 
 # Two replicas of `make serve` behind a router on :8080, until Ctrl-C: Envoy (gRPC, gRPC-Web, JSON;
-# sessions by x-session-id), or with ROUTER=smg the Shepherd Model Gateway (OpenAI HTTP, cache-aware)
+# sessions by x-session-id), or with ROUTER=smg the Shepherd Model Gateway (OpenAI HTTP, cache-aware;
+# SMG_WORKERS=grpc: over the replicas' vLLM gRPC worker service, routing on their KV events; http: their
+# OpenAI API)
 ROUTER ?= envoy
+SMG_WORKERS ?= grpc
 mesh: $(STAMP) $(STUBS)
-	$(PY) -m deploy.mesh --replicas 2 --port 8080 --router $(ROUTER)
+	$(PY) -m deploy.mesh --replicas 2 --port 8080 --router $(ROUTER) --workers $(SMG_WORKERS)
 
 # torch goes first and alone: the machine's local CPU file satisfies the pin, so the
 # later install resolves nothing else for it.

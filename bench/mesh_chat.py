@@ -2,7 +2,9 @@
 chat that resends the whole conversation every turn (as OpenAI-style clients do), through
   - Envoy least request (deploy/envoy: it fronts the replicas' gRPC port only, so this chat runs
     over kvgen.v1 Generate with the messages and no x-session-id: the stateless route),
-  - smg round_robin and smg cache_aware (OpenAI HTTP, /v1/chat/completions, the openai SDK).
+  - smg round_robin and smg cache_aware (OpenAI HTTP, /v1/chat/completions, the openai SDK), smg
+    reaching the replicas' HTTP API, and smg cache_aware over their vLLM gRPC worker service, where
+    it routes on the KV events each replica streams.
 Per router: the turns after the first whose reply reports cached prompt tokens, the prefix-cache
 hit tokens by the replicas' own counters, wall time and turn latency. The replicas are started
 afresh for each router (no cache carries over) and warmed directly first. Appends (or replaces)
@@ -36,10 +38,11 @@ from kvgen.client import request  # noqa: E402
 from kvgen.v1 import generate_pb2_grpc as pb_grpc  # noqa: E402
 
 HEADING = "## Stateless chat: Envoy least request, smg round_robin, smg cache_aware"
-ROUTERS = {  # name -> (Mesh router, smg policy)
-    "Envoy least request (gRPC)": ("envoy", ""),
-    "smg round_robin (HTTP)": ("smg", "round_robin"),
-    "smg cache_aware (HTTP)": ("smg", "cache_aware"),
+ROUTERS = {  # name -> (Mesh router, smg policy, how smg reaches the replicas)
+    "Envoy least request (gRPC)": ("envoy", "", ""),
+    "smg round_robin (HTTP)": ("smg", "round_robin", "http"),
+    "smg cache_aware (HTTP)": ("smg", "cache_aware", "http"),
+    "smg cache_aware (gRPC workers, KV events)": ("smg", "cache_aware", "grpc"),
 }
 # A system prompt each: their first words differ, so no two conversations share a 16-token block
 # and a turn's cached tokens can only come from its own earlier turns.
@@ -54,6 +57,14 @@ PERSONAS = [
     ("Zoom in: you are a botanist studying ferns in a rainforest.", "How do ferns reproduce without seeds?"),
 ]
 FOLLOW_UPS = ["Tell me more about that.", "Why is that so?", "Give me one example, briefly."]
+# The house rules an application puts after its persona (real system prompts run to hundreds of
+# tokens): --system-words of them, cycled, after the persona's own first sentence, so they are the
+# client's own prefix too. The longer the prefix a turn resends, the more a cache hit saves.
+HOUSE_RULES = ["Answer in plain words a beginner can follow.", "Keep every answer short and concrete.",
+               "Never invent dates, names or numbers you are not sure of.", "Say so when you do not know.",
+               "Prefer one good example to three vague ones.", "Stay in character, kindly and calmly.",
+               "Do not repeat the question back to the user.", "Use no lists unless the user asks for one.",
+               "Mention safety whenever an activity carries risk.", "End with a short friendly sentence."]
 COLUMNS = ["router", "turns after the first with cached_tokens > 0", "cached_tokens (replies)",
            "prefix-cache hit tokens (replicas' counters)", "prompt tokens", "calls r0 / r1", "wall s (per round)",
            "replicas' CPU s (per round)",
@@ -75,11 +86,23 @@ class Turn:
     text: str
 
 
-def conversation(client: int, turns: int) -> tuple[list[dict], list[str]]:
+def house_rules(words: int) -> str:
+    """About `words` words of HOUSE_RULES, numbered, cycled."""
+    out, n, i = [], 0, 0
+    while n < words:
+        rule = f"Rule {i + 1}: {HOUSE_RULES[i % len(HOUSE_RULES)]}"
+        out.append(rule)
+        n, i = n + len(rule.split()), i + 1
+    return " ".join(out)
+
+
+def conversation(client: int, turns: int, system_words: int = 0) -> tuple[list[dict], list[str]]:
     """The client's system message and its user messages, one a turn."""
     system, first = PERSONAS[client % len(PERSONAS)]
     if client >= len(PERSONAS):  # more clients than personas: still a prefix of its own
         system = f"Client {client}. {system}"
+    if system_words:
+        system = f"{system} {house_rules(system_words)}"
     return [{"role": "system", "content": system}], [first, *(FOLLOW_UPS * turns)][:turns]
 
 
@@ -87,10 +110,11 @@ def _sdk(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
 
 
-def chat_http(url: str, client: int, turns: int, max_new_tokens: int, start: threading.Barrier) -> list[Turn]:
+def chat_http(url: str, client: int, turns: int, max_new_tokens: int, start: threading.Barrier,
+              system_words: int = 0) -> list[Turn]:
     sdk = _sdk(url)
     model = sdk.models.list().data[0].id  # what the replicas serve, by the name they give it
-    history, asks = conversation(client, turns)
+    history, asks = conversation(client, turns, system_words)
     out = []
     start.wait()
     for i, ask in enumerate(asks):
@@ -107,10 +131,11 @@ def chat_http(url: str, client: int, turns: int, max_new_tokens: int, start: thr
     return out
 
 
-def chat_grpc(target: str, client: int, turns: int, max_new_tokens: int, start: threading.Barrier) -> list[Turn]:
+def chat_grpc(target: str, client: int, turns: int, max_new_tokens: int, start: threading.Barrier,
+              system_words: int = 0) -> list[Turn]:
     """The same chat over kvgen.v1 Generate (unary, the messages rendered by the replica's chat
     template, as over HTTP), with no session header: Envoy's least request route."""
-    history, asks = conversation(client, turns)
+    history, asks = conversation(client, turns, system_words)
     out = []
     with grpc.insecure_channel(target) as ch:
         stub = pb_grpc.GeneratorStub(ch)
@@ -127,7 +152,8 @@ def chat_grpc(target: str, client: int, turns: int, max_new_tokens: int, start: 
     return out
 
 
-def run_clients(mesh: Mesh, clients: int, turns: int, max_new_tokens: int) -> tuple[float, list[Turn]]:
+def run_clients(mesh: Mesh, clients: int, turns: int, max_new_tokens: int,
+                system_words: int = 0) -> tuple[float, list[Turn]]:
     """Every client in its own thread, released together; wall time until the last turn's reply."""
     chat, where = (chat_grpc, mesh.target) if mesh.router == "envoy" else (chat_http, mesh.url)
     start = threading.Barrier(clients + 1)
@@ -136,7 +162,7 @@ def run_clients(mesh: Mesh, clients: int, turns: int, max_new_tokens: int) -> tu
 
     def client(i: int) -> None:
         try:
-            results[i] = chat(where, i, turns, max_new_tokens, start)
+            results[i] = chat(where, i, turns, max_new_tokens, start, system_words)
         except Exception as e:  # noqa: BLE001 - reported, and the run fails
             errors.append(f"client {i}: {e!r}")
             start.abort()
@@ -187,15 +213,15 @@ def settled(mesh: Mesh, before: dict, calls: int, timeout: float = 10) -> dict[s
 
 
 def bench_router(name: str, a, work: Path, threads: int) -> dict:
-    router, policy = ROUTERS[name]
-    mesh = Mesh(2, a.model, work / f"{router}-{policy or 'lr'}-{time.monotonic_ns()}", router=router,
-                policy=policy or "cache_aware", THREADS=str(threads))
+    router, policy, workers = ROUTERS[name]
+    mesh = Mesh(2, a.model, work / f"{router}-{policy or 'lr'}-{workers}-{time.monotonic_ns()}", router=router,
+                policy=policy or "cache_aware", workers=workers or "http", THREADS=str(threads))
     try:
         mesh.start()
         for r in mesh.replicas:
             warm(r)
         before = counters(mesh)
-        wall, turns = run_clients(mesh, a.clients, a.turns, a.max_new_tokens)
+        wall, turns = run_clients(mesh, a.clients, a.turns, a.max_new_tokens, a.system_words)
         after = settled(mesh, before, len(turns))
     finally:
         mesh.stop()
@@ -246,19 +272,27 @@ def table(a, cores: int, threads: int, stats: dict[str, dict], same_text: bool, 
                     f"{s['prompt tokens']:.0f} | {calls} | {walls} | {cpu} | {s['mean']:.2f} | {s['p50']:.2f} | "
                     f"{s['p95']:.2f} |")
     rows = "\n".join(rows)
+    totals = {name: (sum(s["walls"]), sum(s["cpu"])) for name, s in stats.items()}
+    best_wall, best_cpu = min(w for w, _ in totals.values()), min(c for _, c in totals.values())
+    ranking = "; ".join(f"{name}: {w:.0f} s ({w / best_wall:.2f}x the fastest), CPU {c:.0f} s ({c / best_cpu:.2f}x)"
+                        for name, (w, c) in sorted(totals.items(), key=lambda kv: kv[1][0]))
     header = "| " + " | ".join(COLUMNS) + " |"
     n_turns = a.clients * a.turns
     return f"""{HEADING}
 
 {datetime.date.today()}, {peers.cpu_name()}, {cores} cores; model: {a.model or 'embedded SmolLM2-135M'};
-`bench/mesh_chat.py --clients {a.clients} --turns {a.turns} --rounds {a.rounds}`. {a.clients} clients at once,
-each a {a.turns}-turn chat with a system prompt and first question of its own, the whole conversation
-resent every turn, greedy, {a.max_new_tokens} new tokens a turn (ignore_eos): {n_turns} turns a round. Two
-replicas, THREADS={threads} each, started afresh for every router (no cache carries over) and warmed
-with one short call each, straight to the replica. Envoy (deploy/envoy) fronts only the replicas'
-gRPC port, so its run is the same chat over kvgen.v1 Generate with no `x-session-id` (its least
-request route); smg's runs are OpenAI HTTP through the openai SDK. Everything shares the machine's
-cores (5-minute load average at the end: {load_avg:.1f}).
+`bench/mesh_chat.py --clients {a.clients} --turns {a.turns} --rounds {a.rounds} --system-words {a.system_words}`.
+{a.clients} clients at once, each a {a.turns}-turn chat with a system prompt of its own (a persona's sentence
+and {a.system_words} words of house rules, as applications' system prompts run to hundreds of tokens) and a
+first question of its own, the whole conversation resent every turn, greedy, {a.max_new_tokens} new tokens a
+turn (ignore_eos): {n_turns} turns a round. Two replicas, THREADS={threads} each, started afresh for every
+router (no cache carries over) and warmed with one short call each, straight to the replica. Envoy
+(deploy/envoy) fronts only the replicas' gRPC port, so its run is the same chat over kvgen.v1 Generate with
+no `x-session-id` (its least request route). smg's runs are OpenAI HTTP through the openai SDK, smg reaching
+the replicas over their OpenAI HTTP API (`http://` workers: smg routes on the request's text) or over the vLLM
+gRPC worker service (`grpc://` workers: smg tokenizes and renders the chat template itself, and cache_aware
+routes on the replicas' SubscribeKvEvents streams, the blocks each really holds). Everything shares the
+machine's cores (5-minute load average at the end: {load_avg:.1f}).
 
 {header}
 | --- |{' --- |' * (len(COLUMNS) - 1)}
@@ -271,6 +305,8 @@ time over the run. cached_tokens is what the replies reported
 (a resent turn's last, partly filled block), so they run a little higher. The replies were
 {"the same" if same_text else "NOT all the same"} under every router (greedy, the same model), so every router did
 the same work but for what the cache saved.
+
+Wall time and the replicas' CPU time summed over the {a.rounds} round(s), fastest first: {ranking}.
 """
 
 
@@ -279,6 +315,8 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--system-words", type=int, default=300,
+                   help="house rules after each persona, in words (0: the persona's sentence alone)")
     p.add_argument("--rounds", type=int, default=1, help="runs of every router, the order rotated each round")
     p.add_argument("--model", default="", help="MODEL for the replicas (default: the embedded one)")
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "mesh.md"))

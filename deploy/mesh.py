@@ -83,6 +83,7 @@ class Replica:
         self.port, self.metrics_port, self.http_port = free_port(), free_port(), free_port()
         self.target = f"127.0.0.1:{self.port}"
         self.url = f"http://127.0.0.1:{self.http_port}"  # the OpenAI HTTP API, /health, /metrics: what smg routes to
+        self.grpc_url = f"grpc://{self.target}"  # smg's grpc:// worker: the vLLM worker service on the gRPC port
         self.log_path = (logs or Path(tempfile.gettempdir())) / f"{name}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -211,10 +212,11 @@ class Smg:
 
     HEALTH_INTERVAL_S = 1
 
-    def __init__(self, workers: list[str], workdir: Path, port: int = 0, policy: str = "cache_aware"):
+    def __init__(self, workers: list[str], workdir: Path, port: int = 0, policy: str = "cache_aware",
+                 args: tuple[str, ...] = ()):
         self.port, self.metrics_port = port or free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.workers, self.policy = workers, policy
+        self.workers, self.policy, self.args = workers, policy, tuple(args)  # args: more `smg launch` flags
         workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = workdir / f"smg-{policy}-{self.port}.log"
         self.proc: subprocess.Popen | None = None
@@ -226,7 +228,7 @@ class Smg:
                 "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
                 # its own Prometheus page on loopback (the default, :29000, would clash between meshes)
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
-                "--log-level", "warn"]
+                "--log-level", "warn", *self.args]
 
     def start(self) -> None:
         with open(self.log_path, "a") as log:
@@ -260,22 +262,28 @@ class Smg:
 
 class Mesh:
     """Replicas r0..rN-1 behind one router: Envoy (router="envoy", gRPC on self.target) or smg
-    (router="smg", OpenAI HTTP on self.url). env: settings for every replica (THREADS, GRACE_S...)."""
+    (router="smg", OpenAI HTTP on self.url), smg reaching the replicas over their OpenAI HTTP API
+    (workers="http": it routes on the request's text) or over the vLLM gRPC worker service
+    (workers="grpc": it tokenizes, and cache_aware routes on the replicas' own KV events).
+    env: settings for every replica (THREADS, GRACE_S...)."""
 
     def __init__(self, n: int = 2, model: str = "", workdir: Path | None = None, envoy_port: int = 0,
-                 router: str = "envoy", policy: str = "cache_aware", **env):
+                 router: str = "envoy", policy: str = "cache_aware", workers: str = "http",
+                 smg_args: tuple[str, ...] = (), **env):
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="kvgen-mesh-"))
         # a replica told to stop answers NOT_SERVING (and /health 503), still serving, for 2 s (Envoy
         # and smg check every second) before it stops taking calls: none is refused or cut as it stops
         env = {"DRAIN_DELAY_S": "2", **env}
         self.replicas = [Replica(f"r{i}", model, self.workdir, **env) for i in range(n)]
-        self.router = router
+        self.router, self.workers = router, workers
         self.envoy = self.smg = None
         if router == "envoy":
             self.envoy = Envoy([r.target for r in self.replicas], self.workdir, envoy_port)
             self.target = self.envoy.target
         elif router == "smg":
-            self.smg = Smg([r.url for r in self.replicas], self.workdir, envoy_port, policy)
+            if workers not in ("http", "grpc"):
+                raise ValueError(f"smg workers {workers!r}: http or grpc")
+            self.smg = Smg([self.worker_url(r) for r in self.replicas], self.workdir, envoy_port, policy, smg_args)
             self.target, self.url = f"127.0.0.1:{self.smg.port}", self.smg.url
         else:
             raise ValueError(f"router {router!r}: envoy or smg")
@@ -292,7 +300,7 @@ class Mesh:
     def wait_healthy(self, timeout: float = 60) -> None:
         """The router routes to every live replica (health checked, not ejected), and to no dead one."""
         if self.smg is not None:
-            self.smg.wait_workers({r.url: r.alive for r in self.replicas}, timeout)
+            self.smg.wait_workers({self.worker_url(r): r.alive for r in self.replicas}, timeout)
             return
         self.envoy.wait_hosts({r.target: "healthy" if r.alive else "down" for r in self.replicas}, timeout)
         self._wait_routed(timeout)
@@ -318,6 +326,10 @@ class Mesh:
                     if i % 20 == 0:
                         time.sleep(0.1)
 
+    def worker_url(self, r: Replica) -> str:
+        """r as smg knows it."""
+        return r.grpc_url if self.workers == "grpc" else r.url
+
     def replica(self, name: str) -> Replica:
         return next(r for r in self.replicas if r.name == name)
 
@@ -340,12 +352,16 @@ def main() -> None:
     p.add_argument("--router", choices=("envoy", "smg"), default="envoy",
                    help="envoy: gRPC, sessions by x-session-id; smg: OpenAI HTTP, cache-aware")
     p.add_argument("--policy", default="cache_aware", help="smg's routing policy (smg launch --policy)")
+    p.add_argument("--workers", choices=("grpc", "http"), default="grpc",
+                   help="how smg reaches the replicas: grpc (the vLLM worker service; cache_aware routes on "
+                        "the replicas' KV events) or http (their OpenAI API; smg routes on the request's text)")
     p.add_argument("--model", default="", help="MODEL for every replica (default: the embedded one)")
     a = p.parse_args()
-    mesh = Mesh(a.replicas, a.model, envoy_port=a.port, router=a.router, policy=a.policy).start()
+    mesh = Mesh(a.replicas, a.model, envoy_port=a.port, router=a.router, policy=a.policy, workers=a.workers).start()
     if mesh.smg is not None:
         print(f"smg ({a.policy}) on {mesh.url}/v1 (OpenAI HTTP); replicas "
-              + ", ".join(f"{r.name}={r.url}" for r in mesh.replicas) + f"; logs in {mesh.workdir}", flush=True)
+              + ", ".join(f"{r.name}={mesh.worker_url(r)}" for r in mesh.replicas) + f"; logs in {mesh.workdir}",
+              flush=True)
     else:
         print(f"Envoy on {mesh.target} (admin :{mesh.envoy.admin_port}); replicas "
               + ", ".join(f"{r.name}={r.target}" for r in mesh.replicas) + f"; logs in {mesh.workdir}", flush=True)
