@@ -289,12 +289,18 @@ class Mesh:
             raise ValueError(f"router {router!r}: envoy or smg")
 
     def start(self) -> Mesh:
-        for r in self.replicas:
-            r.launch()
-        for r in self.replicas:
-            r.wait()
-        (self.envoy or self.smg).start()
-        self.wait_healthy()
+        """Every replica, then the router; on a failure, whatever was started is stopped (the
+        processes run in sessions of their own: nothing else would reap them)."""
+        try:
+            for r in self.replicas:
+                r.launch()
+            for r in self.replicas:
+                r.wait()
+            (self.envoy or self.smg).start()
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_healthy(self, timeout: float = 60) -> None:
