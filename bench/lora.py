@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -95,10 +96,12 @@ def main() -> None:
             run_round(gen, [""], 2, 8)  # warm-up: kernels, allocations
             run_round(gen, names[:2], 2, 8)
             base, lora = [], []
+            load = [os.getloadavg()[0]]  # other work on the cores shows here
             for _ in range(a.rounds):
                 base.append(run_round(gen, [""], a.streams, a.tokens))
                 lora.append(run_round(gen, names, a.streams, a.tokens))
                 print(f"base {base[-1]:.1f} tok/s, {a.adapters} adapters {lora[-1]:.1f} tok/s", flush=True)
+            load.append(os.getloadavg()[0])
             path = gen.engine.runner.fused is not None
         finally:
             gen.close()
@@ -107,11 +110,11 @@ def main() -> None:
     text = f"""# LoRA adapters: many adapters batched over one base model (make bench-lora)
 
 {datetime.date.today()} · {peers.cpu_name()} · {peers.cores()} cores · torch {torch.__version__} ·
-the embedded model ({cfg.name}, its GGUF's own blocks; fused decode step {'on' if path else 'off'} for base rows).
+the embedded model ({cfg.name}, its GGUF's own blocks; fused decode step {'on' if path else 'off'}, adapter rows too).
 {a.streams} concurrent streams, {a.tokens} new tokens each (greedy, ignore_eos), short prompts, no prefix cache;
 {a.adapters} random adapters of rank {a.rank} on all of q/k/v/o/gate/up/down, stream i on adapter i mod
 {a.adapters}. Aggregate tokens/s (all streams' tokens / the round's wall time), median of {a.rounds} rounds,
-base and adapter rounds alternating in one process.
+base and adapter rounds alternating in one process. Load average (1 min) before / after: {load[0]:.2f} / {load[1]:.2f}.
 
 | run | aggregate tok/s (median) | rounds |
 | --- | --- | --- |
@@ -123,7 +126,11 @@ Ratio: **{ratio:.2f}x** (goal >= 0.8x: {'met' if ratio >= 0.8 else 'not met'}).
 llama.cpp's llama-server is not in this table: it takes adapters (`--lora file.gguf`, several, and a
 request's `lora` list of ids and scales), but this bench does not drive it yet.
 """
-    Path(a.out).write_text(text)
+    out = Path(a.out)
+    # the sections after this bench's (bench/lora_trained.py's) are kept as they are
+    old = out.read_text() if out.exists() else ""
+    rest = old.find("\n## ")
+    out.write_text(text + ("" if rest < 0 else old[rest:]))
     print(text)
 
 

@@ -174,6 +174,7 @@ class ModelInfo:
     kv_compress_window: int = 0
     kv_compress_ratio: float = 0.0
     kv_compress_unsupported: str = ""
+    attention_layout: str = ""  # attention (K/V in the pool) | state (a recurrent state per sequence: Mamba-2)
     raw: pb.GetModelInfoResponse | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -183,7 +184,8 @@ class ModelInfo:
                    m.bos_token_id, m.kv_block_size, m.kv_blocks_total, m.device, m.prefix_cache, m.cpu_kernels,
                    dict(m.tensor_types), dict(m.type_kernels), m.weight_bytes, m.file_bytes, tuple(m.layer_windows),
                    m.attention_logit_softcap, m.final_logit_softcap, m.decode_path, m.decode_path_reason,
-                   m.kv_compress, m.kv_compress_window, m.kv_compress_ratio, m.kv_compress_unsupported, m)
+                   m.kv_compress, m.kv_compress_window, m.kv_compress_ratio, m.kv_compress_unsupported,
+                   m.attention_layout, m)
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ rounded to int16 per block of 32 (vector_matmul's rule), then the products on AM
 of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vector_matmul's vector
 kernels.
 Both give every row the same bits, so which one ran never shows in a row's output. The kinds with
-no tile kernels (q8m, q8h, q8hm: weight_blocks.BLOCK_TYPES) run on the vector kernels at every
-row count."""
+no tile kernels (q8h, q8hm and the packed q5, q5m, q6h: weight_blocks.BLOCK_TYPES) run on the
+vector kernels at every row count."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def q4_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
-    """y = x W^T for a Q8_0 / Q5_0 / IQ4_NL / IQ4_XS weight in blocks (as q4_linear)."""
+    """y = x W^T for a Q8_0 / IQ4_NL / IQ4_XS weight in blocks (as q4_linear)."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
         amx_matmul.q8_matmul(xq, dx, qs, scales, layout, y)
@@ -42,15 +42,8 @@ def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 # The kinds below have no tile kernels: they run on the vector kernels at every row count.
 
 @njit(cache=True, nogil=True)
-def q8m_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
-    """y = x W^T for int8 codes with a scale and a minimum per block (Q5_1, Q5_K)."""
-    xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
-    vector_matmul.q8m_matmul(xq, dx, xs, qs, scales, layout, y)
-
-
-@njit(cache=True, nogil=True)
 def q8h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
-    """y = x W^T for int8 codes with a scale per 16 inputs (Q6_K, Q3_K)."""
+    """y = x W^T for int8 codes with a scale per 16 inputs (Q3_K)."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q8h_matmul(xq, dx, qs, scales, y)
 
@@ -61,3 +54,24 @@ def q8hm_linear(x, qs, scales, y, room, sums):  # pragma: no cover - compiled
     float32 scratch of M K / 16 for x's sums per 16 inputs."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q8hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, scales, y)
+
+
+@njit(cache=True, nogil=True)
+def q5_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
+    """y = x W^T for packed 5-bit codes with a scale per block (Q5_0)."""
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q5_matmul(xq, dx, qs, scales, y)
+
+
+@njit(cache=True, nogil=True)
+def q5m_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
+    """y = x W^T for packed 5-bit codes with a scale and a minimum per block (Q5_1, Q5_K)."""
+    xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q5m_matmul(xq, dx, xs, qs, scales, layout, y)
+
+
+@njit(cache=True, nogil=True)
+def q6h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
+    """y = x W^T for packed 6-bit codes with a scale per 16 inputs (Q6_K)."""
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q6h_matmul(xq, dx, qs, scales, y)

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, typed, types
 
-from kvgen.cpu import block_matmul, key_lanes, kv_io, paged_attention, vector_exp, vector_matmul
+from kvgen.cpu import block_matmul, key_lanes, kv_io, lora_lanes, paged_attention, vector_exp, vector_matmul
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -112,12 +112,12 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
 
 # A weight's parts (decode step's `table`: every matrix part a row of int64 fields): its kind of
 # blocks (weight_blocks.BLOCK_TYPES; NONE ends a linear's list of parts), where its codes start in
-# the flat buffers of `weights` (the uint8 buffer for q4, the int8 one for the others) and its
+# the flat buffers of `weights` (the uint8 buffer for q4 and the packed kinds, the int8 one for the others) and its
 # scales in the byte buffer, their layout (vector_matmul's F16 .. SUB_MIN), its tiles of TILE output
 # rows and blocks of 32 inputs, and the output columns it fills (a fused q|k|v whose v is another
 # kind: its parts side by side).
-NONE, Q4, Q8, Q8M, Q8H, Q8HM = -1, 0, 1, 2, 3, 4
-KINDS = {"q4": Q4, "q8": Q8, "q8m": Q8M, "q8h": Q8H, "q8hm": Q8HM}
+NONE, Q4, Q8, Q8H, Q8HM, Q5, Q5M, Q6H = -1, 0, 1, 2, 3, 4, 5, 6
+KINDS = {"q4": Q4, "q8": Q8, "q8h": Q8H, "q8hm": Q8HM, "q5": Q5, "q5m": Q5M, "q6h": Q6H}
 KIND, CODES, SCALES, LAYOUT, TILES, GROUPS, COL, WIDTH = range(8)
 FIELDS = 8
 
@@ -128,18 +128,26 @@ def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
     kernel of its kind, over views of the flat buffers shaped as BlockLinear holds them."""
     codes4, codes8, scales = weights
     tiles, groups, at, sat, layout = p[TILES], p[GROUPS], p[CODES], p[SCALES], p[LAYOUT]
-    supers, per = vector_matmul.scale_shape(layout, 2 if kind == Q8H or kind == Q8HM else 1, groups)
+    supers, per = vector_matmul.scale_shape(layout, 2 if kind == Q8H or kind == Q8HM or kind == Q6H else 1, groups)
     sc = scales[sat:sat + tiles * supers * per].reshape((tiles, supers, per))
     n = tiles * groups * vector_matmul.TILE  # (block, output row) pairs
     if kind == Q4:
         qs = codes4[at:at + n * 16].reshape((tiles, groups, 8, vector_matmul.TILE, 2))
         block_matmul.q4_linear(x, qs, sc, layout, y, room)
         return
+    if kind == Q5 or kind == Q5M or kind == Q6H:  # packed: nibbles and high bits, in the uint8 buffer
+        pairs = 12 if kind == Q6H else 10
+        qs = codes4[at:at + n * 2 * pairs].reshape((tiles, groups, pairs, vector_matmul.TILE, 2))
+        if kind == Q5:
+            block_matmul.q5_linear(x, qs, sc, y, room)
+        elif kind == Q5M:
+            block_matmul.q5m_linear(x, qs, sc, layout, y, room)
+        else:
+            block_matmul.q6h_linear(x, qs, sc, y, room)
+        return
     qs = codes8[at:at + n * 32].reshape((tiles, groups, 16, vector_matmul.TILE, 2))
     if kind == Q8:
         block_matmul.q8_linear(x, qs, sc, layout, y, room)
-    elif kind == Q8M:
-        block_matmul.q8m_linear(x, qs, sc, layout, y, room)
     elif kind == Q8H:
         block_matmul.q8h_linear(x, qs, sc, y, room)
     else:
@@ -169,15 +177,58 @@ def _linear(parts, weights, x, y, room, sums, spare):  # pragma: no cover - comp
             y[r, col:col + width] = out[r, :width]
 
 
+# A LoRA span (lora.fused_arrays): where one adapter module's A [rank, in] and its block of B, as
+# [width / LANES, rank, LANES] (lora_lanes.add_lowrank's order), lie in the adapter's flat float32
+# array, the rank (0 ends a linear's spans) and the output columns the block adds to
+LORA_A, LORA_B, LORA_RANK, LORA_COL, LORA_WIDTH = range(5)
+SPAN_FIELDS = 5
+
+
+@njit(cache=True, nogil=True)
+def _lora_span(data, span, x, y, rows, lo, hi):  # pragma: no cover - compiled
+    """y[row, col:col + width] += (x[row] A^T) B^T for the rows rows[lo:hi] of one adapter (lora_lanes.py's
+    sums): A is read once for all of them (each of its rows meets every x row while in L1), then B's block
+    in order, LANES columns at a time for every row (in L1 for the rows after the first). Inputs and
+    widths are whole vectors (FusedDecode.why_not)."""
+    r, n, w, col = span[LORA_RANK], x.shape[1], span[LORA_WIDTH], span[LORA_COL]
+    xf, yf, wide = x.reshape(-1), y.reshape(-1), y.shape[1]
+    t = np.empty((hi - lo) * r, np.float32)
+    for k in range(r):
+        for i in range(lo, hi):
+            t[(i - lo) * r + k] = lora_lanes.dot(data, span[LORA_A] + k * n, xf, rows[i] * n, n)
+    for j in range(0, w, lora_lanes.LANES):
+        for i in range(lo, hi):
+            lora_lanes.add_lowrank(yf, rows[i] * wide + col + j, t, (i - lo) * r, data, span[LORA_B] + j * r,
+                                   lora_lanes.LANES, r)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _lora(lora, lora_table, layer, linear, groups, rows, x, y):  # pragma: no cover - compiled
+    """Each adapter's low-rank delta on its rows' output y of one linear (input x), after the base
+    matmul over all rows (Punica's / S-LoRA's grouped products): groups [G, 3] are (the adapter's
+    place in lora and lora_table, its first and end place in rows), an adapter's rows listed together
+    in rows. Each (adapter, span) is a thread's item: they write apart (rows by adapter, columns by span)."""
+    per = lora_table.shape[3]
+    for item in prange(groups.shape[0] * per):
+        g, s = item // per, item % per
+        slot = groups[g, 0]
+        span = lora_table[slot, layer, linear, s]
+        if span[LORA_RANK]:
+            _lora_span(lora[slot], span, x, y, rows, groups[g, 1], groups[g, 2])
+
+
 @njit(cache=True, nogil=True)
 def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weights, table, head, qkv_bias, widths,
-         cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features):  # pragma: no cover
+         cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features, lora, lora_table, lora_rows,
+         lora_groups):  # pragma: no cover
     """h [rows, hidden]: the rows' token embeddings (the caller looks them up: a GGUF's table stays
     quantized), the residual stream from then on (written over). table [layers, 4, parts, FIELDS]:
     each layer's qkv, o, gate_up and down as rows of parts (_linear); head [parts, FIELDS] the same
     for the lm head; qkv_bias [layers, qkv columns] added to qkv's output ([layers, 0]: no bias); widths: the
     four outputs' columns, then the widest part that goes through the
-    spare buffer (0: none does)."""
+    spare buffer (0: none does). LoRA adapters (_lora; lora_groups [0, 3]: none): lora a typed list of
+    the step's adapters' flat arrays, lora_table [adapters, layers, 4, spans, SPAN_FIELDS] their spans,
+    lora_rows the rows with an adapter, grouped by adapter, lora_groups each group's adapter and rows."""
     rows, hidden = h.shape[0], h.shape[1]
     x = np.empty((rows, hidden), np.float32)
     qkv_out = np.empty((rows, widths[0]), np.float32)
@@ -195,6 +246,7 @@ def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weight
     nq, nk = heads * head_dim, kv_heads * head_dim
     plain = kvq[kv_io.KIND] == kv_io.PLAIN
     plan, partial = paged_attention.plan(positions, kv_heads, heads // kv_heads, head_dim, not plain)
+    adapted = lora_groups.shape[0] > 0
     for layer in range(ln1.shape[0]):
         # the previous layer's MLP output is added here, with this layer's first norm
         _stage(ADD_NORM if layer else NORM, h, d_out, ln1[layer], eps, x, positions, tables, kv, layer, cos, sin,
@@ -203,6 +255,8 @@ def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weight
         for r in range(rows if qkv_bias.shape[1] else 0):  # fp32 adds, as Model.forward's out + b
             for i in range(qkv_bias.shape[1]):
                 qkv_out[r, i] += qkv_bias[layer, i]
+        if adapted:  # before RoPE and the KV write, after the bias (Model.forward's (W x + b) + delta)
+            _lora(lora, lora_table, layer, 0, lora_groups, lora_rows, x, qkv_out)
         if plain:
             _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
                    kv_heads, head_dim, gu, act)
@@ -221,12 +275,18 @@ def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weight
         paged_attention.attend(qkv_out, kv, kvq, layer, tables, positions, heads, kv_heads, head_dim, att, plan,
                                partial, slot, kt)
         _linear(table[layer, 1], weights, att, o_out, room, sums, spare)
+        if adapted:
+            _lora(lora, lora_table, layer, 1, lora_groups, lora_rows, att, o_out)
         _stage(ADD_NORM, h, o_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads,
                head_dim, gu, act)
         _linear(table[layer, 2], weights, x, gu, room, sums, spare)
+        if adapted:
+            _lora(lora, lora_table, layer, 2, lora_groups, lora_rows, x, gu)
         _stage(SILU, h, d_out, ln2[layer], eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim,
                gu, act)
         _linear(table[layer, 3], weights, act, d_out, room, sums, spare)
+        if adapted:
+            _lora(lora, lora_table, layer, 3, lora_groups, lora_rows, act, d_out)
     for r in range(rows):
         for i in range(hidden):
             h[r, i] += d_out[r, i]
@@ -282,3 +342,15 @@ def warm_up(layers, heads, kv_heads, head_dim, hidden, inter, norm, eps, cos, si
     gu = np.zeros((1, 2 * inter), np.float32)
     _rows_parallel(SILU, h, h, norm, np.float32(eps), q, positions, tables, kv, 0, cos, sin, heads, kv_heads,
                    head_dim, gu, np.zeros((1, inter), np.float32))
+    # a rank-1 span of one adapter on one row, with step's argument types (no_lora's list type)
+    lora, table = typed.List([np.zeros(2 * hidden, np.float32)]), np.zeros((1, layers, 4, 1, SPAN_FIELDS), np.int64)
+    table[0, 0, 0, 0] = (0, hidden, 1, 0, hidden)
+    _lora(lora, table, 0, 0, np.array([[0, 0, 1]], np.int64), np.zeros(1, np.int64), h, h.copy())
+
+
+def no_lora():
+    """step's LoRA arguments for a step without adapters: an empty typed list of the adapters' flat
+    float32 arrays (its type is step's argument type: one compiled step whether rows have adapters
+    or not), an empty table, no rows, no groups."""
+    return (typed.List.empty_list(types.float32[::1]), np.zeros((0, 1, 4, 1, SPAN_FIELDS), np.int64),
+            np.zeros(0, np.int64), np.zeros((0, 3), np.int64))

@@ -24,9 +24,13 @@ broadcast:
     q4: qs [N/TILE, G, 8, TILE, 2] uint8: byte (p, c, e) holds input 2p+e of row c (low nibble)
         and input 2p+e+16 (high); value = d * q + m (Q4_0: m = -8 d)
     q8: qs [N/TILE, G, 16, TILE, 2] int8: byte (p, c, e) holds input 2p+e; value = d * q
-    q8m: q8's codes; value = d * q + m (Q5_1, Q5_K: 5-bit codes with a minimum)
-    q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (Q6_K, Q3_K)
+    q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (Q3_K)
     q8hm: q8h with a minimum per 16 inputs too: value = d[h] * q + m[h] (Q2_K)
+    q5, q5m, q6h: packed codes u - offset, qs [N/TILE, G, 8 + 2 b, TILE, 2] uint8: pairs 0-7 q4's
+        nibbles of u, pairs 8 on a plane of the high b bits (b = 1, 2) of u ^ offset (offset 0 or
+        u's top bit): byte j < 4 b of a row holds inputs j + 4 b i at bit b i; and
+        q5: value = d * (u - 16) (Q5_0); q5m: value = d * u + m (Q5_1, Q5_K);
+        q6h: value = d[h] * (u - 32), a scale per 16 inputs as q8h's (Q6_K)
     xq [M, K] int16;  dx, xs [M, G] float32 (xs [M, 2G] for q8hm: per 16 inputs);  y [M, N] float32
 
 The scales d, m are held as the file holds them, one flat byte array a weight, scales
@@ -40,7 +44,7 @@ for SUB / SUB_MIN), the TILE rows':
     SUB_MIN  fp16 D [TILE], fp16 M [TILE], int8 a [SUPER, H, TILE], int8 b [SUPER, H, TILE]
                                                                                   Q4_K, Q5_K, Q2_K
 
-(H: 1 scale a block, 2 for q8h, q8hm.) For SUB and SUB_MIN, block j of the super-block has
+(H: 1 scale a block, 2 for q8h, q8hm, q6h.) For SUB and SUB_MIN, block j of the super-block has
 d = D a[j] and m = M b[j] (M: the file's -dmin): fp16 times int8 is at most 11 + 8 significant
 bits, exact in float32, so the kernels compute (`block_scales`: vcvtph2ps, vpmovsxbd, vcvtdq2ps, a
 multiply) the very float gguf-py's dequantize uses and weight_blocks held as a float32 per block
@@ -94,6 +98,7 @@ from kvgen.cpu.llvm_ir import (
     BYTES,
     FLOATS,
     HALF_BITS,
+    I8,
     I16,
     I32,
     I64,
@@ -144,10 +149,16 @@ def _pair(builder, x, index):
     return builder.bitcast(builder.shuffle_vector(v, v, vector(I32, [0] * LANES)), WORDS)
 
 
-# kind: (code pairs a block (a pair of bytes a row: q4 nibbles hold 4 inputs, q8 bytes 2), scales a
-# block (1, or 2: one per 16 inputs), a minimum term m xs)
-KINDS = {"q4": (8, 1, True), "q8": (16, 1, False), "q8m": (16, 1, True), "q8h": (16, 2, False),
-         "q8hm": (16, 2, True)}
+# kind: (code pairs a block (a pair of bytes a row: q4 nibbles hold 4 inputs, q8 bytes 2; the packed
+# kinds' 8 pairs of nibbles, then their high planes' pairs), scales a block (1, or 2: one per 16
+# inputs), a minimum term m xs)
+KINDS = {"q4": (8, 1, True), "q8": (16, 1, False), "q8h": (16, 2, False), "q8hm": (16, 2, True),
+         "q5": (10, 1, False), "q5m": (10, 1, True), "q6h": (12, 2, False)}
+# The packed kinds: a code u - offset held as u's low 4 bits in q4's nibbles and the high bits of
+# u ^ offset in a plane of their own (PACKED's bits an input; _packed_codes): the file's 5- and 6-bit
+# codes at the file's bits, where int8 codes took 8 (a Q4_K_M's Q6_K matrices were most of its RSS
+# over the file's size). kind: (high bits an input, offset)
+PACKED = {"q5": (1, 16), "q5m": (1, 0), "q6h": (2, 32)}
 
 # How a weight's scales are held (the module docstring's layout): an fp16 d per block (F16), and an
 # fp16 m (F16_MIN); or an fp16 d per super-block of SUPER blocks times an int8 per block or half
@@ -155,8 +166,8 @@ KINDS = {"q4": (8, 1, True), "q8": (16, 1, False), "q8m": (16, 1, True), "q8h": 
 F16, F16_MIN, SUB, SUB_MIN = 0, 1, 2, 3
 SUPER = 8  # blocks of 32 in a K-quant's (and IQ4_XS's) super-block of 256 inputs
 # The layouts each kind has kernels for (weight_blocks.BLOCK_TYPES' types)
-LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q8": (F16, SUB), "q8m": (F16_MIN, SUB_MIN), "q8h": (SUB,),
-           "q8hm": (SUB_MIN,)}
+LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q8": (F16, SUB), "q8h": (SUB,), "q8hm": (SUB_MIN,), "q5": (F16,),
+           "q5m": (F16_MIN, SUB_MIN), "q6h": (SUB,)}
 
 
 def _scale_shape(layout, halves, groups):
@@ -205,6 +216,35 @@ def block_scales(builder, kind: str, layout: int, scales, at, g, lane: int) -> l
     return out
 
 
+def _packed_codes(builder, kind: str, load, p: int) -> tuple:
+    """A packed kind's codes of nibble pair p as int16 words, (inputs 2p, 2p+1; inputs 2p+16, 2p+17),
+    and the power of two 2^s they are scaled by: put together as bytes (half a vector's work where
+    int16 words take a whole one), then widened. A code u - offset of 4 + b bits (offset 2^(3+b), its
+    top bit) is the byte (u ^ offset) << s read as int8, s = 4 - b: the low nibble moved up s bits,
+    the high bits (held xor the offset's bit: _pack) above it, so no subtraction; q5m (no offset)
+    the byte u as is, s = 0. The dots come out 2^s times the int8 codes' (exact: no int32 sum
+    overflows), shifted back at the block's end: the same integers. A row's plane is 4 b bytes,
+    byte j holding input j + 4 b i's high bits at bit b i, in pairs of bytes as the nibbles are:
+    nibble pair p's inputs are in plane pair p mod (2 b), in the same lanes."""
+    bits, offset = PACKED[kind]
+    shift = 4 - bits if offset else 0
+    span = 4 * bits  # inputs a plane byte's fields are apart
+    n, h = load(p), load(8 + p % (span // 2))
+
+    def moved(v, by, mask):  # (v << by) & mask, a right shift for by < 0
+        v = builder.shl(v, vector(I8, [by] * 2 * LANES)) if by > 0 else \
+            builder.lshr(v, vector(I8, [-by] * 2 * LANES)) if by < 0 else v
+        return builder.and_(v, vector(I8, [mask] * 2 * LANES))
+
+    out = []
+    for nibble_at, field in ((0, p // (span // 2)), (4, p // (span // 2) + 16 // span)):
+        low = moved(n, shift - nibble_at, 15 << shift)
+        high = moved(h, 4 + shift - bits * field, ((1 << bits) - 1) << (4 + shift))
+        byte = builder.or_(low, high)
+        out.append(builder.sext(byte, WORDS) if offset else builder.zext(byte, WORDS))
+    return (*out, shift)
+
+
 def _tile_linear(kind: str, layout: int, rows: int):
     """An intrinsic: y[r, c] = sum over blocks g of d[c, g] (dx[r, g] dots[r, c, g]) + m[c, g] xs[r, g]
     for `rows` activation rows r and the TILE weight rows c of one tile, where dots is a block's
@@ -216,6 +256,7 @@ def _tile_linear(kind: str, layout: int, rows: int):
     distance between activation rows; dx, xs, row 0's first block; scales, the tile's first byte
     of them; y, row 0's first output, the distance between output rows."""
     pairs, halves, has_min = KINDS[kind]
+    nibbles = kind == "q4" or kind in PACKED  # 8 pairs of nibble bytes first
     names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "scales", "at", "y", "ybase",
              "ystride")
 
@@ -236,25 +277,34 @@ def _tile_linear(kind: str, layout: int, rows: int):
                     # four sums a row, added at the block's end: a multiply-add waits for the one
                     # before it in its chain (vpdpwssd's latency), so one chain a row stalled
                     chains = [[ir.Constant(INTS, None)] * 4 for _ in range(rows)]
-                    for p in range(pairs):
+
+                    def load(p, q=q, cg=cg):  # pair p's 2 LANES bytes: two a row, for LANES rows
                         at_p = at(q, i64((p * TILE + cg * LANES) * 2))
-                        w = builder.load(builder.bitcast(at_p, BYTES.as_pointer()), align=1)
-                        if kind == "q4":
-                            w = builder.zext(w, WORDS)
+                        return builder.load(builder.bitcast(at_p, BYTES.as_pointer()), align=1)
+
+                    scaled = 0  # the packed kinds' dots: 2^scaled times the codes' (_packed_codes)
+                    for p in range(8 if nibbles else pairs):
+                        if kind in PACKED:
+                            lo, hi, scaled = _packed_codes(builder, kind, load, p)
+                        elif kind == "q4":
+                            w = builder.zext(load(p), WORDS)
                             lo = builder.and_(w, vector(I16, [15] * 2 * LANES))
                             hi = builder.lshr(w, vector(I16, [4] * 2 * LANES))
+                        if nibbles:
                             for i in range(rows):  # inputs 2p, 2p+1 in the low nibbles, 2p+16, 2p+17 high
                                 chains[i][p % 2] = _madd_add(builder, chains[i][p % 2], lo, _pair(builder, xs[i], p))
                                 chains[i][2 + p % 2] = _madd_add(builder, chains[i][2 + p % 2], hi,
                                                                  _pair(builder, xs[i], 8 + p))
                         else:
-                            w = builder.sext(w, WORDS)
+                            w = builder.sext(load(p), WORDS)
                             # two halves: chains 0, 1 sum inputs 0-15 (p < 8), chains 2, 3 inputs 16-31
                             c = p % 4 if halves == 1 else p % 2 + 2 * (p // 8)
                             for i in range(rows):
                                 chains[i][c] = _madd_add(builder, chains[i][c], w, _pair(builder, xs[i], p))
                     dots = [[add_all(builder, c)] if halves == 1 else [add_all(builder, c[:2]), add_all(builder, c[2:])]
                             for c in chains]
+                    if scaled:  # exact: every term of the sums is a multiple of 2^scaled
+                        dots = [[builder.ashr(d, vector(I32, [scaled] * LANES)) for d in ds] for ds in dots]
                     scales = block_scales(builder, kind, layout, a["scales"], a["at"], g, cg * LANES)
                     for i in range(rows):
                         block = (a["sbase"], builder.mul(a["groups"], i64(i)), g)
@@ -301,8 +351,9 @@ def _rows_of(kind: str, layout: int):
 
 _q4_f16, _q4_f16_min, _q4_sub_min = (_rows_of("q4", layout) for layout in LAYOUTS["q4"])
 _q8_f16, _q8_sub = (_rows_of("q8", layout) for layout in LAYOUTS["q8"])
-_q8m_f16_min, _q8m_sub_min = (_rows_of("q8m", layout) for layout in LAYOUTS["q8m"])
 _q8h_sub, _q8hm_sub_min = _rows_of("q8h", SUB), _rows_of("q8hm", SUB_MIN)
+_q5_f16, _q6h_sub = _rows_of("q5", F16), _rows_of("q6h", SUB)
+_q5m_f16_min, _q5m_sub_min = (_rows_of("q5m", layout) for layout in LAYOUTS["q5m"])
 
 
 # No fastmath in what follows: with it LLVM may fuse a multiply-add either way and reorder sums,
@@ -500,33 +551,8 @@ def q8_matmul(xq, dx, qs, scales, layout, y):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def q8m_matmul(xq, dx, xs, qs, scales, layout, y):  # pragma: no cover - compiled
-    """q8 codes with q4's minimum term: Q5_1 (F16_MIN), Q5_K (SUB_MIN)."""
-    rows, k = xq.shape
-    tiles, groups = qs.shape[0], qs.shape[1]
-    check_shapes(xq, dx, qs, 16, 1, scales, layout, y)
-    _check_sums(xs, dx, 1)
-    if layout != F16_MIN and layout != SUB_MIN:
-        _bad_layout()
-    codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
-        scales.reshape(-1), y.reshape(-1)
-    per_tile, per_scales = codes.size // tiles, sf.size // tiles
-    parts = min(tiles, PARTS)
-    for part in prange(parts):
-        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
-            for r0 in range(0, rows, ROWS_AT_ONCE):
-                n, yat = min(ROWS_AT_ONCE, rows - r0), r0 * y.shape[1] + t * TILE
-                if layout == F16_MIN:
-                    _q8m_f16_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
-                                 t * per_scales, yf, yat, y.shape[1])
-                else:
-                    _q8m_sub_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
-                                 t * per_scales, yf, yat, y.shape[1])
-
-
-@njit(parallel=True, cache=True, nogil=True)
 def q8h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
-    """q8 codes with a scale per 16 inputs (Q6_K, Q3_K): layout SUB, an int8 a half."""
+    """q8 codes with a scale per 16 inputs (Q3_K): layout SUB, an int8 a half."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
     check_shapes(xq, dx, qs, 16, 2, scales, SUB, y)
@@ -557,6 +583,66 @@ def q8hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
             for r0 in range(0, rows, ROWS_AT_ONCE):
                 _q8hm_sub_min(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
                               r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+# The packed kinds (PACKED): the q8 kinds' integer codes at the file's 5 or 6 bits, nibbles and a
+# plane of high bits (qs [N/TILE, G, 10 or 12, TILE, 2] uint8), so the q8 kinds' very outputs.
+
+@njit(parallel=True, cache=True, nogil=True)
+def q5_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
+    """5-bit codes less 16, a scale per 32 inputs (Q5_0): layout F16."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 10, 1, scales, F16, y)
+    codes, xf, dxf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q5_f16(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
+                        r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q5m_matmul(xq, dx, xs, qs, scales, layout, y):  # pragma: no cover - compiled
+    """5-bit codes with q4's minimum term: Q5_1 (F16_MIN), Q5_K (SUB_MIN)."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 10, 1, scales, layout, y)
+    _check_sums(xs, dx, 1)
+    if layout != F16_MIN and layout != SUB_MIN:
+        _bad_layout()
+    codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                n, yat = min(ROWS_AT_ONCE, rows - r0), r0 * y.shape[1] + t * TILE
+                if layout == F16_MIN:
+                    _q5m_f16_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
+                                 t * per_scales, yf, yat, y.shape[1])
+                else:
+                    _q5m_sub_min(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf, r0 * groups, sf,
+                                 t * per_scales, yf, yat, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q6h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
+    """6-bit codes less 32, a scale per 16 inputs (Q6_K): layout SUB, an int8 a half."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 12, 2, scales, SUB, y)
+    codes, xf, dxf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q6h_sub(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
+                         r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
 
 
 @njit(cache=True, nogil=True)

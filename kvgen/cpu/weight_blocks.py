@@ -37,17 +37,19 @@ GROUP = 32
 # super-block of 256 and its int8 sub-block scales (the file's 6-bit, 4-bit or int8 ones); the
 # kernels multiply the two, fp16 x int8 being exact in float32 (vector_matmul.block_scales):
 #   q4    nibbles, d and m per 32: Q4_0 (m = -8 d, not held), Q4_1, Q4_K (d sc, -dmin mn)
-#   q8    int8 codes, d per 32: Q8_0, Q5_0 (q - 16), IQ4_NL (its table's value), IQ4_XS (d (ls - 32))
-#   q8m   int8 codes, d and m per 32: Q5_1, Q5_K
-#   q8h   int8 codes, d per 16: Q6_K (q - 32), Q3_K (q - 4 where the high bit is clear)
+#   q8    int8 codes, d per 32: Q8_0, IQ4_NL (its table's value), IQ4_XS (d (ls - 32))
+#   q8h   int8 codes, d per 16: Q3_K (q - 4 where the high bit is clear)
 #   q8hm  int8 codes, d and m per 16: Q2_K
+#   q5    5-bit codes packed (nibbles and a plane of high bits), d per 32: Q5_0 (q - 16)
+#   q5m   5-bit codes packed, d and m per 32: Q5_1, Q5_K
+#   q6h   6-bit codes packed (nibbles and a plane of 2 high bits), d per 16: Q6_K (q - 32)
 BLOCK_TYPES = {
     "Q4_0": ("q4", 18, 32), "Q4_1": ("q4", 20, 32), "Q4_K": ("q4", 144, 256),
-    "Q8_0": ("q8", 34, 32), "Q5_0": ("q8", 22, 32), "IQ4_NL": ("q8", 18, 32), "IQ4_XS": ("q8", 136, 256),
-    "Q5_1": ("q8m", 24, 32), "Q5_K": ("q8m", 176, 256),
-    "Q6_K": ("q8h", 210, 256), "Q3_K": ("q8h", 110, 256),
-    "Q2_K": ("q8hm", 84, 256),
+    "Q8_0": ("q8", 34, 32), "IQ4_NL": ("q8", 18, 32), "IQ4_XS": ("q8", 136, 256),
+    "Q3_K": ("q8h", 110, 256), "Q2_K": ("q8hm", 84, 256),
+    "Q5_0": ("q5", 22, 32), "Q5_1": ("q5m", 24, 32), "Q5_K": ("q5m", 176, 256), "Q6_K": ("q6h", 210, 256),
 }
+PACKED = vector_matmul.PACKED  # the packed kinds: (high bits an input, the offset their codes take off)
 # IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl)
 IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
 SUPER = vector_matmul.SUPER  # blocks of 32 a super-block of 256 inputs holds
@@ -129,6 +131,29 @@ def _parse(type_name: str, b: np.ndarray) -> tuple:
     raise ValueError(f"no blocks for GGUF type {type_name}")
 
 
+def _pack(kind: str, q: np.ndarray) -> np.ndarray:
+    """[N, G, 32] int8 codes (input order) -> [N, G, 16 + 4 bits] uint8, a packed kind's bytes a row
+    and block (vector_matmul's layout): q4's nibbles of u = q + offset (byte j: inputs j, j + 16),
+    then the high bits of u ^ offset (the offset is u's top bit: the kernels read (u ^ offset) << s
+    as the int8 (u - offset) 2^s), byte j of the plane holding input j + 4 bits i's at bit `bits` i."""
+    bits, offset = PACKED[kind]
+    u = (q.astype(np.int16) + offset).astype(np.uint8)
+    nibbles = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
+    high = ((u ^ offset) >> 4).reshape(*u.shape[:2], 8 // bits, 4 * bits)  # [.., i, j]: input j + 4 bits i
+    shifts = (bits * np.arange(8 // bits, dtype=np.uint8))[:, None]
+    return np.concatenate((nibbles, np.bitwise_or.reduce(high << shifts, axis=-2).astype(np.uint8)), -1)
+
+
+def _unpack(kind: str, qs: torch.Tensor) -> torch.Tensor:
+    """_pack's inverse: [N, G, 16 + 4 bits] uint8 -> [N, G, 32] int16 codes in input order."""
+    bits, offset = PACKED[kind]
+    low = torch.cat((qs[..., :16] & 15, qs[..., :16] >> 4), -1).short()
+    plane = qs[..., 16:].short()  # [.., j]
+    shifts = bits * torch.arange(8 // bits, dtype=torch.int16)
+    high = (plane[..., None, :] >> shifts[:, None]) & ((1 << bits) - 1)  # [.., i, j]: input j + 4 bits i
+    return ((low | (high.reshape(low.shape) << 4)) ^ offset) - offset
+
+
 def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
     return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
 
@@ -136,15 +161,16 @@ def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
 @dataclass
 class WeightBlocks:
     """One weight [N, K] in blocks of 32 inputs (weight_blocks.BLOCK_TYPES lists the kinds): codes
-    qs [N, K/32, 16] uint8 (q4: byte j holds inputs j and j + 16) or [N, K/32, 32] int8 (q8, q8m,
-    q8h, q8hm), and the scales as the file holds them (vector_matmul's layouts):
+    qs [N, K/32, 16] uint8 (q4: byte j holds inputs j and j + 16), [N, K/32, 20 or 24] uint8 (q5,
+    q5m, q6h: q4's nibbles, then the high bits' plane: _pack) or [N, K/32, 32] int8 (q8, q8h,
+    q8hm), and the scales as the file holds them (vector_matmul's layouts):
     - the types of 32-input blocks: d, m [N, K/32] fp16 (m None where the type has none: Q4_0's
       m = -8 d is not held); ds, ms None;
     - the types of 256-input super-blocks: d, m [N, K/256] fp16 (m, the file's -dmin, None where
-      the type has none), and ds, ms [N, K/32] int8 sub-block scales, or [N, K/32, 2] (q8h, q8hm: one
-      per 16 inputs); a block's scale is d ds, its minimum m ms."""
+      the type has none), and ds, ms [N, K/32] int8 sub-block scales, or [N, K/32, 2] (q8h, q8hm,
+      q6h: one per 16 inputs); a block's scale is d ds, its minimum m ms."""
 
-    kind: str  # "q4", "q8", "q8m", "q8h" or "q8hm"
+    kind: str  # "q4", "q8", "q8h", "q8hm", "q5", "q5m" or "q6h"
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
@@ -163,6 +189,8 @@ class WeightBlocks:
         q = q.reshape(b.shape[0], -1, GROUP)
         if kind == "q4":  # byte j: input j in the low nibble, j + 16 in the high
             q = q[..., :16] | (q[..., 16:] << 4)
+        elif kind in PACKED:
+            q = _pack(kind, q)
         return cls(kind, _tensor(q), _tensor(d), _tensor(m), _tensor(ds), _tensor(ms))
 
     @classmethod
@@ -190,7 +218,7 @@ class WeightBlocks:
         return vector_matmul.SUB if self.m is None else vector_matmul.SUB_MIN
 
     def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(d, m) float32 per block [N, K/32], or per 16 inputs [N, K/32, 2] (q8h, q8hm): what the
+        """(d, m) float32 per block [N, K/32], or per 16 inputs [N, K/32, 2] (q8h, q8hm, q6h): what the
         kernels expand the held scales to (m None where the kind has no minimum term)."""
         if self.ds is None:
             d = self.d.float()
@@ -217,13 +245,17 @@ class WeightBlocks:
         fields = zip(*((p.qs, p.d, p.m, p.ds, p.ms) for p in parts), strict=True)
         return WeightBlocks(parts[0].kind, *(None if ts[0] is None else torch.cat(ts) for ts in fields))
 
+    def codes(self) -> torch.Tensor:
+        """[N, K/32, 32] the integer codes in input order (the kernels' integers: q4's nibbles, the
+        packed kinds' codes less their offset, the int8 ones)."""
+        if self.kind == "q4":
+            return torch.cat((self.qs & 15, self.qs >> 4), -1)
+        return _unpack(self.kind, self.qs) if self.kind in PACKED else self.qs
+
     def dequantize(self) -> torch.Tensor:
         """[N, K] float32: what gguf.quants.dequantize gives for the same bytes."""
         d, m = self.block_scales()
-        if self.kind == "q4":
-            q = torch.cat((self.qs & 15, self.qs >> 4), -1).float()  # [N, G, 32] in input order
-        else:
-            q = self.qs.float()
+        q = self.codes().float()
         if d.dim() == 3:  # a scale (and minimum) per 16 inputs
             q = q.reshape(*q.shape[:2], 2, 16)
         w = q * d[..., None]
@@ -263,10 +295,12 @@ def compile_kernels() -> None:
     for dtype in (np.uint8, np.int8):
         vm.q4_matmul(xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
         vm.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
-    # the kinds below: int8 codes only, vectors only
-    vm.q8m_matmul(xq, dx, xs, codes(16), scales(vm.F16_MIN), vm.F16_MIN, y)
+    # the kinds below: one code type (int8, or the packed kinds' uint8), vectors only
     vm.q8h_matmul(xq, dx, codes(16), scales(vm.SUB, 2), y)
     vm.q8hm_matmul(xq, dx, sums, codes(16), scales(vm.SUB_MIN, 2), y)
+    vm.q5_matmul(xq, dx, codes(10, np.uint8), scales(vm.F16), y)
+    vm.q5m_matmul(xq, dx, xs, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y)
+    vm.q6h_matmul(xq, dx, codes(12, np.uint8), scales(vm.SUB, 2), y)
     vm.half_sums(x, sums.reshape(-1))
     if features.AMX:  # the tiles' kernels too, callees first: split, tile_matmul, then its wrappers
         amx_matmul.split(xq)
@@ -276,9 +310,11 @@ def compile_kernels() -> None:
             amx_matmul.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
     block_matmul.q4_linear(x, codes(8, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
     block_matmul.q8_linear(x, codes(16), scales(vm.F16), vm.F16, y, room)
-    block_matmul.q8m_linear(x, codes(16), scales(vm.F16_MIN), vm.F16_MIN, y, room)
     block_matmul.q8h_linear(x, codes(16), scales(vm.SUB, 2), y, room)
     block_matmul.q8hm_linear(x, codes(16), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
+    block_matmul.q5_linear(x, codes(10, np.uint8), scales(vm.F16), y, room)
+    block_matmul.q5m_linear(x, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
+    block_matmul.q6h_linear(x, codes(12, np.uint8), scales(vm.SUB, 2), y, room)
     _compiled = True
 
 
@@ -331,10 +367,14 @@ class BlockLinear:
             block_matmul.q4_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8":
             block_matmul.q8_linear(x, self.qs, self.scales, self.layout, y, room)
-        elif self.kind == "q8m":
-            block_matmul.q8m_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8h":
             block_matmul.q8h_linear(x, self.qs, self.scales, y, room)
+        elif self.kind == "q5":
+            block_matmul.q5_linear(x, self.qs, self.scales, y, room)
+        elif self.kind == "q5m":
+            block_matmul.q5m_linear(x, self.qs, self.scales, self.layout, y, room)
+        elif self.kind == "q6h":
+            block_matmul.q6h_linear(x, self.qs, self.scales, y, room)
         else:
             sums = np.empty(x.shape[0] * (x.shape[1] // 16), np.float32)
             block_matmul.q8hm_linear(x, self.qs, self.scales, y, room, sums)

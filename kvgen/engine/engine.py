@@ -23,6 +23,7 @@ from kvgen.engine.sampling import sample, token_logprobs
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import FinishReason, Sequence
 from kvgen.engine.speculative import DraftEconomy, accept, draft_cap, worth_catching_up
+from kvgen.engine.state_runner import StateRunner
 from kvgen.errors import Overloaded
 
 log = logging.getLogger("kvgen.engine")
@@ -55,9 +56,12 @@ class Engine:
         self.on_release = None  # fn(seq), engine thread, once seq's KV is let go: metrics, tracing
         # Builds each step's inputs and runs Model.forward; on CUDA, decode steps go through the
         # GPU kernels where they serve the KV format (CUDA graphs unless cuda_graphs is off).
-        self.runner = ModelRunner(model, pool.fmt, pool.store, window=window, chunk=chunk, cuda_graphs=cuda_graphs,
-                                  max_rows=scheduler.max_running,
-                                  width=min(pool.capacity, -(-model.cfg.context_length // pool.block_size)))
+        if getattr(model, "recurrent", False):  # a state-space model: steps over the KV manager's states
+            self.runner = StateRunner(model, scheduler.kv.states)
+        else:
+            self.runner = ModelRunner(model, pool.fmt, pool.store, window=window, chunk=chunk,
+                                      cuda_graphs=cuda_graphs, max_rows=scheduler.max_running,
+                                      width=min(pool.capacity, -(-model.cfg.context_length // pool.block_size)))
         self.masks = Masks(model.cfg.vocab_size, threads=mask_threads)
         self._ahead = None  # (sequences, future of their masks) started by _mask_ahead for the next step
         # Speculative decoding (kvgen/engine/speculative): a drafter (PromptLookup or DraftModel;

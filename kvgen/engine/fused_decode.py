@@ -10,7 +10,9 @@ model and KV format can take it (model_runner asks), the model's weights gathere
 arrays the step reads, and each step's rows, block tables and KV store turned into its arguments.
 It runs sequences of one new token each, however many, over fp32 keys and values or fp8 / q4, and
 over fp32 KV also prompt chunks and drafts' k + 1 tokens, as rows at consecutive positions; no
-window or chunked attention, no bias but q|k|v's. Every other step takes Model.forward.
+window or chunked attention, no bias but q|k|v's. Rows may each have a LoRA adapter: its low-rank
+deltas are added inside the step (decode_step._lora), the base weights read once for all rows.
+Every other step takes Model.forward.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import ctypes
 
 import numpy as np
 import torch
+from numba import typed
 
 from kvgen.cpu import decode_step, key_lanes, kv_io, paged_attention
 from kvgen.cpu.vector_matmul import TILE
 from kvgen.cpu.weight_blocks import GROUP, BlockLinear
+from kvgen.engine import lora
 
 
 def _longest_run(rows) -> int:
@@ -55,8 +59,9 @@ class _Weights:
 
     def __init__(self, linears: list):
         parts = [p for lin in linears for p in _parts(lin)]
-        self.codes4 = np.empty(sum(p.qs.size for p in parts if p.kind == "q4"), np.uint8)
-        self.codes8 = np.empty(sum(p.qs.size for p in parts if p.kind != "q4"), np.int8)
+        # q4's and the packed kinds' bytes (uint8) in one buffer, the int8 codes in the other
+        self.codes4 = np.empty(sum(p.qs.size for p in parts if p.qs.dtype == np.uint8), np.uint8)
+        self.codes8 = np.empty(sum(p.qs.size for p in parts if p.qs.dtype != np.uint8), np.int8)
         self.scales = np.empty(sum(p.scales.size for p in parts), np.uint8)
         self._at = {"codes4": 0, "codes8": 0, "scales": 0}
 
@@ -75,7 +80,7 @@ class _Weights:
         col = 0
         for row, part in zip(table, parts, strict=True):
             row[decode_step.KIND] = decode_step.KINDS[part.kind]
-            row[decode_step.CODES], part.qs = self._put("codes4" if part.kind == "q4" else "codes8", part.qs)
+            row[decode_step.CODES], part.qs = self._put("codes4" if part.qs.dtype == np.uint8 else "codes8", part.qs)
             row[decode_step.SCALES], part.scales = self._put("scales", part.scales)
             row[decode_step.LAYOUT] = part.layout
             row[decode_step.TILES], row[decode_step.GROUPS] = part.qs.shape[:2]
@@ -204,6 +209,8 @@ class FusedDecode:
                            np.empty((0, cfg.num_kv_heads, cfg.head_dim, 1), np.float32))
         self.cos = np.ascontiguousarray(model.rot.real.numpy())
         self.sin = np.ascontiguousarray(model.rot.imag.numpy())
+        self._no_lora = decode_step.no_lora()
+        self._last_lora = ((), self._no_lora)  # _lora_args' last (rows' adapters, step arguments)
 
     def compile(self) -> None:
         """Compile the step (or load it from Numba's disk cache) with a one-block scratch cache,
@@ -215,14 +222,46 @@ class FusedDecode:
         self([(0, 0, [0]), (0, 1, [0])], {"kv": kv})
         self([(0, 0, [0])], {"kv": kv})
 
+    def _lora_args(self, adapters: list | None) -> tuple:
+        """step's LoRA arguments for each row's adapter (lora.Adapter; None: the base model): the
+        step's adapters' flat arrays and spans (lora.fused_arrays), and their rows, an adapter's
+        listed together in the order adapters first appear (its A and B then read once a step). The last
+        step's are kept: decode steps mostly repeat their rows' adapters (held here, an adapter unloaded
+        meanwhile is not mistaken for another: Adapters compare by identity)."""
+        key = tuple(adapters or ())
+        if key == self._last_lora[0]:
+            return self._last_lora[1]
+        self._last_lora = (key, self._make_lora_args(key))
+        return self._last_lora[1]
+
+    def _make_lora_args(self, adapters: tuple) -> tuple:
+        by: dict = {}
+        for row, adapter in enumerate(adapters):
+            if adapter is not None:
+                by.setdefault(adapter, []).append(row)
+        if not by:
+            return self._no_lora
+        exports = [lora.fused_arrays(adapter) for adapter in by]
+        most = max(spans.shape[2] for _, spans in exports)
+        table = np.zeros((len(exports), *self.table.shape[:2], most, decode_step.SPAN_FIELDS), np.int64)
+        for i, (_, spans) in enumerate(exports):
+            table[i, :, :, :spans.shape[2]] = spans
+        rows = np.array([row for group in by.values() for row in group], np.int64)
+        sizes = np.array([len(group) for group in by.values()], np.int64)
+        ends = np.cumsum(sizes)
+        groups = np.ascontiguousarray(np.stack([np.arange(len(by)), ends - sizes, ends], 1), np.int64)
+        return typed.List([data for data, _ in exports]), table, rows, groups
+
     def __call__(self, rows: list[tuple[int, int, list[int]]], store: dict, fmt=None,
-                 need: list[int] | None = None, features: np.ndarray | None = None) -> torch.Tensor:
+                 need: list[int] | None = None, features: np.ndarray | None = None,
+                 adapters: list | None = None) -> torch.Tensor:
         """rows: (token, position, block table) per new token: one per decoding sequence, or a
         run of consecutive positions of one sequence (a prompt chunk, a draft), each of which
         attends up to its own position. Writes every row's K/V into the store, of format fmt
         (None: plain fp32); returns the logits [len(need), vocab] of rows `need` (default all).
         features: where given, [len(rows), hidden] float32 that gets every row's final-norm
-        hidden state (Model.forward's features)."""
+        hidden state (Model.forward's features). adapters: each row's LoRA adapter (lora.Adapter,
+        None: the base model), its delta added to the row's every linear (None: no row has one)."""
         cfg = self.cfg
         if fmt is None or fmt.name == "fp32":
             kv, kvq = store["kv"].numpy(), self._plain
@@ -252,5 +291,5 @@ class FusedDecode:
         decode_step.step(self.embed.rows(tokens), positions, tables, kv, kvq, blocks, slot, kt, self.ln1, self.ln2,
               self.norm, self.weights, self.table, self.head, self.qkv_bias, self.widths, self.cos, self.sin,
               np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-              need, logits, self._no_features if features is None else features)
+              need, logits, self._no_features if features is None else features, *self._lora_args(adapters))
         return torch.from_numpy(logits[:, :self.vocab])

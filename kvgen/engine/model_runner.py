@@ -188,8 +188,9 @@ class ModelRunner:
         KV) a prompt chunk or a draft's k + 1, from the start of its cache (no window). A prompt
         row then goes through the very operations a decode row does, whatever the chunk: its K/V
         and logits do not depend on how the prompt was cut, on what shares the step, or on
-        whether the prefix cache supplied the tokens before it."""
-        return (self.fused is not None and seq.cache.kv_start == 0 and _adapter(seq) is None  # LoRA: Model.forward
+        whether the prefix cache supplied the tokens before it. A LoRA adapter's rows too: the step adds
+        their deltas (fused_decode.py)."""
+        return (self.fused is not None and seq.cache.kv_start == 0
                 and (n == 1 and not m or self._fused_chunks and (not seq.draft or m == n - 1)))
 
     def _split_step(self, batch: Batch, wanted, fusable: list[int]) -> torch.Tensor:
@@ -217,17 +218,18 @@ class ModelRunner:
         causal mask of a prefill chunk). Logits in run()'s order: each sequence's last row, then
         its extra rows (the first m of its rows: prompt positions asked for, or every draft row
         but the last); no other row's logits are computed."""
-        rows, last, extra = [], [], []
+        rows, last, extra, adapters = [], [], [], []
         for seq, n, m in wanted:
             start = seq.cache.length
             tokens = (seq.tokens + seq.draft)[start:start + n] if seq.draft else seq.tokens[start:start + n]
             extra.extend(range(len(rows), len(rows) + m))
             rows.extend((t, start + i, seq.cache.blocks) for i, t in enumerate(tokens))
+            adapters.extend([_adapter(seq)] * len(tokens))
             last.append(len(rows) - 1)
         if not self.keep_features:
-            return self.fused(rows, self.store, self.fmt, need=last + extra)
+            return self.fused(rows, self.store, self.fmt, need=last + extra, adapters=adapters)
         features = np.empty((len(rows), self.model.cfg.hidden_size), np.float32)
-        logits = self.fused(rows, self.store, self.fmt, need=last + extra, features=features)
+        logits = self.fused(rows, self.store, self.fmt, need=last + extra, features=features, adapters=adapters)
         self._keep_features(wanted, torch.from_numpy(features))
         return logits
 

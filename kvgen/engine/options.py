@@ -15,8 +15,8 @@ def setting(default, doc: str, shown: str | None = None):
 
 @dataclass(slots=True)
 class EngineOptions:
-    weight_dtype: str = setting("auto", "weight storage: auto (on the CPU a GGUF's own Q4/Q8 blocks, else fp32), "
-                                        "gguf, fp32, bf16, int8 or int4")
+    weight_dtype: str = setting("auto", "weight storage: auto (on the CPU a GGUF's own blocks, Q8_0 blocks of bf16 / "
+                                        "fp16 matrices, else fp32), gguf, fp32, bf16, int8 or int4")
     kv_dtype: str = setting("auto", "KV cache storage: auto (the activations' dtype), fp32, fp16, bf16, fp8, q4, q3")
     kv_compress: str = setting("off", "compress older KV rows so long contexts take fewer blocks: off, mean (each "
                                       "pair of rows older than KV_COMPRESS_WINDOW pooled) or sink-heavy (the first "
@@ -56,7 +56,8 @@ class EngineOptions:
     draft_model: str = setting("", "the drafting model for SPECULATIVE=draft: a GGUF file or HF folder with the "
                                    "target's vocabulary (empty: the served model itself)", shown="the served model")
     draft_weight_dtype: str = setting("auto", "the draft model's weight storage, as WEIGHT_DTYPE: auto (on the CPU a "
-                                              "GGUF's own Q4/Q8 blocks, else fp32), fp32, bf16, int8, int4 or gguf")
+                                              "GGUF's own blocks, Q8_0 blocks of bf16 / fp16 matrices, else fp32), "
+                                              "fp32, bf16, int8, int4 or gguf")
     draft_kv_mb: float = setting(128.0, "memory for the draft model's (or EAGLE head's) own KV block pool, MB")
     eagle_head: str = setting("", "the EAGLE head of SPECULATIVE=eagle: a .safetensors file (or a folder with "
                                   "model.safetensors) in EAGLE-1's layout, sized for the served model", shown="(none)")

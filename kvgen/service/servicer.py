@@ -179,7 +179,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         layout = dict(layer_windows=[layer.window or runner.window for layer in model.layers],
                       attention_logit_softcap=cfg.attn_logit_softcap or 0.0,
                       final_logit_softcap=cfg.final_logit_softcap or 0.0, decode_path=runner.decode_path,
-                      decode_path_reason=runner.decode_path_reason)
+                      decode_path_reason=runner.decode_path_reason,
+                      attention_layout="state" if getattr(model, "recurrent", False) else "attention")
         opts = gen.options
         compression = dict(kv_compress=opts.kv_compress, kv_compress_window=opts.kv_compress_window,
                            kv_compress_ratio=opts.kv_compress_ratio,

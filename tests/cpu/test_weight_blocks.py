@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvgen.cpu import features
-from kvgen.cpu.weight_blocks import BLOCK_TYPES, GROUP, BlockLinear, WeightBlocks
+from kvgen.cpu.weight_blocks import BLOCK_TYPES, GROUP, PACKED, BlockLinear, WeightBlocks
 from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
 from tests.cpu.isa_build import run_in_build
@@ -19,7 +19,7 @@ from tests.tiny import write_gguf
 
 Q = gguf.GGMLQuantizationType
 TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # the types whose kinds (q4, q8) have tile kernels too (test_amx_matmul.py)
-# every type kept in blocks (weight_blocks.BLOCK_TYPES): q4, q8, then q8m, q8h, q8hm
+# every type kept in blocks (weight_blocks.BLOCK_TYPES): q4, q8, then q5, q5m, q6h (packed), q8h, q8hm
 ALL_TYPES = (*TYPES, Q.Q4_K, Q.Q5_0, Q.IQ4_NL, Q.IQ4_XS, Q.Q5_1, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.Q2_K)
 # gguf-py writes these; the others' bytes are made at random (random_blocks)
 GGUF_PY_WRITES = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1)
@@ -81,32 +81,33 @@ def test_blocks_dequantize_as_gguf_py(qtype):
 def test_random_blocks_dequantize_as_gguf_py(qtype):
     """Every bit of a block at random (codes, packed sub-block scales, high bits): each weight is
     the blocks' integer code times their float32 scales (plus the minimum), gguf-py's value
-    exactly; the codes fit their kind (nibbles, or int8)."""
+    exactly; the codes fit their kind (nibbles, packed nibbles and high bits, or int8)."""
     k = width(qtype, 1024)
     raw = random_blocks(qtype, 64, k, seed=7)
     b = WeightBlocks.from_gguf(qtype.name, raw)
     assert torch.equal(b.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(64, k)))
-    assert b.qs.dtype == (torch.uint8 if b.kind == "q4" else torch.int8)
-    halves = b.kind in ("q8h", "q8hm")  # a scale per 16 inputs
+    assert b.qs.dtype == (torch.uint8 if b.kind == "q4" or b.kind in PACKED else torch.int8)
+    halves = b.kind in ("q8h", "q8hm", "q6h")  # a scale per 16 inputs
     d, m = b.block_scales()
     assert d.dtype == torch.float32 and d.shape == ((64, k // 32, 2) if halves else (64, k // 32))
-    assert (m is None) == (b.kind in ("q8", "q8h"))
+    assert (m is None) == (b.kind in ("q8", "q8h", "q5", "q6h"))
 
 
-# Bits a weight held (codes, then scales), per type: nibbles or int8 codes; an fp16 d (and m) per
-# block of 32, or per super-block of 256 with an int8 per block of 32 (per 16 for Q6_K, Q3_K, Q2_K)
-# for d (and m): the file's own scales, its 6- and 4-bit ones a byte each
+# Bits a weight held (codes, then scales), per type: nibbles, packed 5- or 6-bit codes or int8 codes;
+# an fp16 d (and m) per block of 32, or per super-block of 256 with an int8 per block of 32 (per 16
+# for Q6_K, Q3_K, Q2_K) for d (and m): the file's own scales, its 6- and 4-bit ones a byte each
 HELD_BITS = {"Q4_0": 4 + 16 / 32, "Q4_1": 4 + 32 / 32, "Q4_K": 4 + 32 / 256 + 16 / 32,
-             "Q8_0": 8 + 16 / 32, "Q5_0": 8 + 16 / 32, "IQ4_NL": 8 + 16 / 32, "IQ4_XS": 8 + 16 / 256 + 8 / 32,
-             "Q5_1": 8 + 32 / 32, "Q5_K": 8 + 32 / 256 + 16 / 32,
-             "Q6_K": 8 + 16 / 256 + 8 / 16, "Q3_K": 8 + 16 / 256 + 8 / 16, "Q2_K": 8 + 32 / 256 + 16 / 16}
+             "Q8_0": 8 + 16 / 32, "Q5_0": 5 + 16 / 32, "IQ4_NL": 8 + 16 / 32, "IQ4_XS": 8 + 16 / 256 + 8 / 32,
+             "Q5_1": 5 + 32 / 32, "Q5_K": 5 + 32 / 256 + 16 / 32,
+             "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 8 + 16 / 256 + 8 / 16, "Q2_K": 8 + 32 / 256 + 16 / 16}
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_blocks_hold_the_files_scales_not_floats(qtype):
     """A BlockLinear holds its codes and its scales' bytes and nothing else, HELD_BITS a weight:
-    the scales as the file holds them (fp16, int8), not a float32 per block; the nibble types
-    within an eighth of a bit of their file (Q4_K 4.625 against 4.5, Q4_0 and Q4_1 at it)."""
+    the scales as the file holds them (fp16, int8), not a float32 per block; the nibble and packed
+    types within an eighth of a bit of their file (Q4_K 4.625 against 4.5, Q5_K 5.625 against 5.5,
+    Q4_0, Q4_1, Q5_0, Q5_1 and Q6_K at it)."""
     n, k = 64, width(qtype, 1024)
     blocks = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, n, k))
     assert blocks.d.dtype == torch.float16 and (blocks.m is None or blocks.m.dtype == torch.float16)
@@ -117,7 +118,7 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
     bits = 8 * sum(a.nbytes for a in held) / (n * k)
     assert bits == HELD_BITS[qtype.name]
     per, size = gguf.GGML_QUANT_SIZES[qtype]
-    if lin.kind == "q4":
+    if lin.kind == "q4" or lin.kind in PACKED:
         assert bits <= 8 * size / per + 1 / 8
 
 
@@ -138,7 +139,7 @@ def expected(qtype, raw: np.ndarray, x: torch.Tensor) -> torch.Tensor:
     b = WeightBlocks.from_gguf(qtype.name, raw)
     d, m = b.block_scales()
     xr = int16_activations(x)
-    q = torch.cat((b.qs & 15, b.qs >> 4), -1).double() if b.kind == "q4" else b.qs.double()
+    q = b.codes().double()
     per = 16 if d.dim() == 3 else GROUP  # inputs a scale
     y = xr @ (q.reshape(n, -1, per) * d.double().reshape(n, -1)[..., None]).reshape(n, k).T
     if m is None:
@@ -162,6 +163,26 @@ def test_kernels_multiply_int16_activations_exactly(qtype, rows):
     torch.testing.assert_close(got.double(), expected(qtype, raw, x) + bias.double(), rtol=1e-5, atol=3e-5)
     bound = (x - int16_activations(x).float()).abs() @ torch.from_numpy(ref).abs().T  # sum |dx| |w|
     assert ((got - (x @ torch.from_numpy(ref).T + bias)).abs() <= bound + 1e-5).all()
+
+
+# A packed kind and the int8 kind whose kernels multiply the same codes by the same scales (q5m's
+# int8 twin, q8m, went with it: no type runs on int8 codes with a minimum per 32 any more)
+INT8_TWIN = {"q5": "q8", "q6h": "q8h"}
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 37])
+def test_packed_codes_give_the_int8_codes_bits(qtype, rows):
+    """Q5_0's and Q6_K's packed 5- and 6-bit codes (nibbles and a plane of high bits, unpacked in
+    registers) are the very integers int8 codes hold: the packed kernels' outputs are the int8
+    kernels' bit for bit, every code of every block at random."""
+    k = width(qtype, 576)
+    packed = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, 72, k, seed=rows))
+    codes, (bits, offset) = packed.codes(), PACKED[packed.kind]
+    assert (codes.min(), codes.max()) == (-offset, (16 << bits) - 1 - offset)  # every high bit in use
+    as_int8 = WeightBlocks(INT8_TWIN[packed.kind], codes.to(torch.int8), packed.d, packed.m, packed.ds, packed.ms)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(BlockLinear(packed, None)(x), BlockLinear(as_int8, None)(x))
 
 
 def kernel_outputs() -> list[torch.Tensor]:
@@ -241,12 +262,15 @@ def test_rows_rearrange_and_fuse_like_the_fp32_weights():
     assert torch.equal(fused.dequantize(), want)
     with pytest.raises(ValueError, match="kinds"):
         WeightBlocks.cat([blocks[0], WeightBlocks.from_gguf("Q8_0", quantized(Q.Q8_0, 32, 64)[0])])
-    # scales per 16 inputs ([N, G, 2]) move with their rows too; Q6_K and Q3_K are one kind (q8h)
-    parts = [quantized(q, 32, 512, seed=1) for q in (Q.Q6_K, Q.Q3_K)]
-    halves = [WeightBlocks.from_gguf(q.name, raw) for q, (raw, _) in zip((Q.Q6_K, Q.Q3_K), parts, strict=True)]
+    # packed codes and scales per 16 inputs ([N, G, 2]) move with their rows too; Q6_K's packed
+    # codes are a kind of their own (q6h), Q3_K's int8 ones another (q8h): they do not fuse
+    parts = [quantized(Q.Q6_K, n, 512, seed=n) for n in (32, 16)]
+    halves = [WeightBlocks.from_gguf("Q6_K", raw) for raw, _ in parts]
     fused = WeightBlocks.cat([halves[0].map_rows(lambda t: interleave(t, 4)), halves[1]])
     want = torch.cat([interleave(torch.from_numpy(parts[0][1]), 4), torch.from_numpy(parts[1][1])])
-    assert fused.kind == "q8h" and torch.equal(fused.dequantize(), want)
+    assert fused.kind == "q6h" and torch.equal(fused.dequantize(), want)
+    with pytest.raises(ValueError, match="kinds"):
+        WeightBlocks.cat([halves[1], WeightBlocks.from_gguf("Q3_K", quantized(Q.Q3_K, 16, 512)[0])])
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -273,11 +297,11 @@ def test_gguf_weights_compute_the_files_fp32_model(gguf_base, bpe, tmp_path, qty
 
 
 def test_weight_dtype_auto_and_gguf_choice(gguf_base):  # noqa: F811
-    """auto keeps fp32 where a model has no blocks (an HF folder, a float GGUF); asking for gguf
+    """auto keeps fp32 where a model has no blocks (an fp32 HF folder or GGUF); asking for gguf
     there is an error that says what to use instead."""
     _, cfg, weights, _, _ = gguf_base
     assert Model(cfg, weights, "auto").weight_dtype == "fp32"
-    with pytest.raises(ValueError, match="has none"):
+    with pytest.raises(ValueError, match="has neither"):
         Model(cfg, weights, "gguf")
 
 

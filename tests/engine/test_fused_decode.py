@@ -326,10 +326,10 @@ MIXTURES = {
 # the kinds the model's linears then hold, part by part (weight_blocks.BLOCK_TYPES): parts of one
 # kind fuse where their scales are held alike (layer 0's Q5_1 gate beside its Q5_K up: two parts)
 MIXED_KINDS = {
-    256: [{"qkv": ["q4", "q4", "q8h"], "o": ["q8"], "gate_up": ["q8m", "q8m"], "down": ["q8h"]},
-          {"qkv": ["q8hm", "q8h", "q8"], "o": ["q8hm"], "gate_up": ["q8", "q8hm"], "down": ["q8"]}],
-    576: [{"qkv": ["q8m", "q8m", "q8"], "o": ["q8"], "gate_up": ["q4", "q8"], "down": ["q8h"]},
-          {"qkv": ["q4", "q4", "q8"], "o": ["q4"], "gate_up": ["q8"], "down": ["q8hm"]}],
+    256: [{"qkv": ["q4", "q4", "q6h"], "o": ["q8"], "gate_up": ["q5m", "q5m"], "down": ["q6h"]},
+          {"qkv": ["q8hm", "q8h", "q5"], "o": ["q8hm"], "gate_up": ["q8", "q8hm"], "down": ["q5"]}],
+    576: [{"qkv": ["q5m", "q5m", "q8"], "o": ["q5"], "gate_up": ["q4", "q8"], "down": ["q6h"]},
+          {"qkv": ["q4", "q4", "q5"], "o": ["q4"], "gate_up": ["q5"], "down": ["q8hm"]}],
 }
 
 
@@ -373,7 +373,7 @@ def test_a_mixture_of_kinds_decodes_like_the_forward(mixed_model):
     fused = FusedDecode(m)
     linears = [getattr(layer, f) for layer in m.layers for f in ("qkv", "o", "gate_up", "down")] + [m.lm_head]
     for part in (p for lin in linears for p in getattr(lin, "parts", [lin])):  # the weights held once
-        codes = fused.weights[0 if part.kind == "q4" else 1]
+        codes = fused.weights[0 if part.qs.dtype == np.uint8 else 1]  # q4's and packed bytes, int8 codes
         assert all(np.may_share_memory(a, b) for a, b in ((part.qs, codes), (part.scales, fused.weights[2])))
     ids = torch.randint(3, cfg.vocab_size, (35,), generator=torch.Generator().manual_seed(5)).tolist()
     pools = [BlockPool(fmt, 4) for _ in range(2)]

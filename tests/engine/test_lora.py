@@ -166,6 +166,87 @@ def test_a_batch_mixing_four_adapters_and_the_base_gives_each_what_it_gets_alone
     assert len({tuple(t) for t in together[:5]}) == 5  # each adapter's output is its own
 
 
+def _forward_alone(model, fmt, prompt: list[int], adapter) -> tuple[list[int], torch.Tensor]:
+    """STEPS greedy tokens of one sequence through Model.forward with a LoraBatch (the prompt in one
+    step), and the logits [STEPS, vocab] each was taken from."""
+    from kvgen.engine.attention import Step
+    from kvgen.engine.kv.paged import PagedKVCache
+    from kvgen.engine.kv.pool import BlockPool
+    from kvgen.engine.lora import LoraBatch
+
+    pool = BlockPool(fmt, 8)
+    cache, ids, logits = PagedKVCache(pool), list(prompt), []
+    for _ in range(STEPS):
+        start, n = cache.length, len(ids) - cache.length
+        cache.reserve(n)
+        blocks, offsets = cache.slots(start, n)
+        step = Step(positions=torch.arange(start, start + n), write_blocks=blocks, write_offsets=offsets,
+                    query_lens=[n], context_lens=[start + n], block_tables=torch.tensor([cache.blocks]),
+                    logits_rows=None, is_decode=n == 1)
+        out = model.forward(torch.tensor(ids[start:]), step, fmt, pool.store,
+                            lora=LoraBatch.of([(adapter, n)], model.device))
+        cache.advance(n)
+        logits.append(out[-1])
+        ids.append(int(out[-1].argmax()))
+    return ids[len(prompt):], torch.stack(logits)
+
+
+def _fused_together(fused, fmt, seqs: list) -> list[tuple[list[int], torch.Tensor]]:
+    """_forward_alone for every (prompt, adapter) of seqs at once, each step one FusedDecode call over
+    all of them (the prompts as rows of chunks, then a row each), every row with its own adapter."""
+    from kvgen.engine.kv.paged import PagedKVCache
+    from kvgen.engine.kv.pool import BlockPool
+
+    pool = BlockPool(fmt, 8 * len(seqs))
+    caches = [PagedKVCache(pool) for _ in seqs]
+    ids, logits = [list(prompt) for prompt, _ in seqs], [[] for _ in seqs]
+    for _ in range(STEPS):
+        rows, adapters, last = [], [], []
+        for cache, seq_ids, (_, adapter) in zip(caches, ids, seqs, strict=True):
+            start, n = cache.length, len(seq_ids) - cache.length
+            cache.reserve(n)
+            rows += [(t, start + i, cache.blocks) for i, t in enumerate(seq_ids[start:])]
+            adapters += [adapter] * n
+            last.append(len(rows) - 1)
+        out = fused(rows, pool.store, need=last, adapters=adapters)
+        for i, cache in enumerate(caches):
+            cache.advance(len(ids[i]) - cache.length)
+            logits[i].append(out[i])
+            ids[i].append(int(out[i].argmax()))
+    return [(seq_ids[len(prompt):], torch.stack(lg)) for seq_ids, (prompt, _), lg in zip(ids, seqs, logits,
+                                                                                          strict=True)]
+
+
+def test_a_fused_step_mixing_four_adapters_and_the_base_gives_each_sequence_what_it_gets_alone(base):
+    """The fused decode step over the GGUF's blocks, each step one call for 10 sequences (2 prompts,
+    each on the base model and on each of the 4 adapters: q/v, the MLP, every linear, k/o), the
+    prompts as rows of chunks then a row each: every sequence's greedy tokens equal those it gets
+    alone through Model.forward + LoraBatch, its logits within the block kernels' rounding (the two
+    paths sum norms in another order: test_fused_decode.assert_near), and bit for bit those of its
+    rows alone in the fused step (an adapter's delta does not depend on the rows beside it)."""
+    from kvgen.engine.fused_decode import FusedDecode
+    from kvgen.engine.kv.formats import make_format
+    from tests.engine.test_fused_decode import assert_near
+
+    model = load_model(str(base[1]), "auto")[0]
+    cfg = model.cfg
+    fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
+    adapters = [None] + [load_adapter(name, str(path), model, 64) for name, path in base[2].items()]
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, cfg.vocab_size, (9 + 5 * i,), generator=g).tolist() for i in range(2)]
+    seqs = [(prompt, adapter) for prompt in prompts for adapter in adapters]
+    fused = FusedDecode(model)
+    together = _fused_together(fused, fmt, seqs)
+    for (prompt, adapter), (tokens, logits) in zip(seqs, together, strict=True):
+        name = adapter.name if adapter else "base"
+        want_tokens, want_logits = _forward_alone(model, fmt, prompt, adapter)
+        assert tokens == want_tokens, name
+        assert_near(logits, want_logits)
+        alone_tokens, alone_logits = _fused_together(fused, fmt, [(prompt, adapter)])[0]
+        assert tokens == alone_tokens and torch.equal(logits, alone_logits), name
+    assert len({tuple(tokens) for tokens, _ in together[:len(adapters)]}) == len(adapters)  # each its own
+
+
 def test_the_prefix_cache_is_shared_within_an_adapter_and_never_across(engine):
     kind, gen = engine
     ids = gen.tokenize("numbers 123 4567 89, and the year 2024. " * 4)  # a prompt no other test sends

@@ -44,7 +44,7 @@ def gemma2_folder(tmp_path_factory):
 
 def test_gemma2_says_its_windows_caps_and_torch_path(gemma2_folder):
     info = _info(Generator(*load_model(str(gemma2_folder), "fp32"), EngineOptions()))
-    assert info.architecture == "gemma2" and info.num_layers == 4
+    assert info.architecture == "gemma2" and info.num_layers == 4 and info.attention_layout == "attention"
     assert info.layer_windows == (8, 0, 8, 0)  # windowed first, then alternating with global layers
     assert info.attention_logit_softcap == 1.5 and info.final_logit_softcap == 5.0
     assert info.decode_path == "torch"

@@ -19,6 +19,10 @@ KVCacheManager), so it takes no locks. A table moves through these states:
                              blocks back into the pool (promote)
     drop                     the session closed: blocks anywhere are freed
 
+A state-space model's recurrent state per table (states.py) follows its table through these verbs: freed
+with it, kept with a parked one, copied with a fork, and dropped (the table recomputed from its first
+token) wherever the table would keep fewer tokens than the state has seen.
+
 What happens to blocks is told to listeners as KVEvents (tracing turns them into span events);
 nothing here knows about requests or spans.
 """
@@ -35,6 +39,7 @@ import torch
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.kv.prefix import PrefixCache
+from kvgen.engine.kv.states import StateStore
 from kvgen.engine.kv.tiers import Tier, TieredKV
 from kvgen.errors import PoolExhausted
 
@@ -62,6 +67,8 @@ class KVManager:
         self._parked: dict[PagedKVCache, None] = {}  # idle sessions' tables, least recently used first
         self._dropped: weakref.WeakSet[PagedKVCache] = weakref.WeakSet()  # closed sessions' tables
         self._listeners: list[Callable[[KVEvent], None]] = []
+        # a state-space model's per-table recurrent states (states.py), freed and kept with the tables; None: none
+        self.states: StateStore | None = None
 
     def listen(self, fn: Callable[[KVEvent], None]) -> None:
         self._listeners.append(fn)
@@ -164,6 +171,8 @@ class KVManager:
             fmt.put_block(store, copy, fmt.take_block(store, last, fill), fill)
             child.blocks.append(copy)
         child.length, child.removed, child.compressed_to = table.length, table.removed, table.compressed_to
+        if self.states is not None:
+            self.states.fork(table, child)
         self._emit("kv.fork", child, list(child.blocks), tokens=child.length, copied=int(bool(fill)))
         return True
 
@@ -191,6 +200,7 @@ class KVManager:
         self._index(table, salt, tokens, tail=True)
         blocks, n = _held(table), table.length
         self.tiers.reset(table)
+        self._free_state(table)
         self._emit("kv.free", table, blocks, tokens=n)
 
     def preempt(self, table: PagedKVCache, salt: str = "", tokens: list[int] | None = None) -> None:
@@ -199,6 +209,7 @@ class KVManager:
         self._index(table, salt, tokens)
         blocks, n = _held(table), table.length
         self.tiers.reset(table)
+        self._free_state(table)  # recomputed from the tokens, as the K/V is
         self._emit("kv.preempt", table, blocks, tokens=n)
 
     def _index(self, table: PagedKVCache, salt: str, tokens: list[int] | None, tail: bool = False) -> None:
@@ -221,6 +232,21 @@ class KVManager:
         self._parked[table] = None
         self.tiers.touch(table)
         self._emit("kv.retain", table, _held(table), tokens=table.length)
+        if self.states is not None and self.states.over_budget:
+            self._let_go_of_states()
+
+    def _let_go_of_states(self) -> None:
+        """Idle sessions' recurrent states (and their blocks, which count positions of nothing else), least
+        recently used first, until the store is within its budget: each such session recomputes its next turn."""
+        for table in list(self._parked):
+            if not self.states.over_budget:
+                return
+            if self.states.length(table) is None:
+                continue
+            blocks, tokens = _held(table), table.length
+            self.tiers.reset(table)
+            self._free_state(table)
+            self._emit("kv.evict", table, blocks, tokens=tokens)
 
     def resume(self, table: PagedKVCache, keep: int) -> int:
         """A session's next turn: keep its first `keep` cached tokens (what the new prompt shares
@@ -229,6 +255,8 @@ class KVManager:
         self._parked.pop(table, None)
         old, held = table.length, _held(table)
         parked = self.tiers.parked(table)
+        if self.states is not None:  # a recurrent state is kept whole or not at all (states.py)
+            keep = self.states.restorable(table, keep)
         if parked and self.prefix is not None:
             self.prefix.evict(parked)  # cache-only blocks make way for the session's own
         try:
@@ -236,6 +264,9 @@ class KVManager:
         except PoolExhausted:
             self.tiers.reset(table)
         self._own_last_block(table)
+        if self.states is not None and self.states.length(table) != table.length:
+            self.tiers.reset(table)  # its blocks could not all come back: from the start, state and all
+            self._free_state(table)
         if table.length != old:
             now = set(_held(table))
             self._emit("kv.truncate", table, [b for b in held if b not in now], tokens_before=old,
@@ -255,6 +286,10 @@ class KVManager:
         a quantized format (re-rotating would re-quantize), blocks parked in the tiers, or blocks
         the prefix cache shares, only the head is kept: the rest is computed again. Returns whether
         the blocks after the dropped ones were kept (moved up)."""
+        if self.states is not None:  # a recurrent state cannot drop its oldest tokens: all recomputed
+            self.tiers.reset(table)
+            self._free_state(table)
+            return False
         parked = self._parked.pop(table, 0) is None  # never demoted to make room for its own copies
         try:
             return self._shift(table, keep_blocks, drop_blocks)
@@ -330,6 +365,11 @@ class KVManager:
         if tokens or self.tiers.parked(table):
             self.tiers.reset(table)
             self._emit("kv.evict", table, blocks, tokens=tokens)
+        self._free_state(table)
+
+    def _free_state(self, table: PagedKVCache) -> None:
+        if self.states is not None:
+            self.states.free(table)
 
     def _make_room(self, need: int) -> bool:
         """Demote idle sessions' blocks (least recently read first) until `need` blocks are
