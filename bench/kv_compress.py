@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,15 @@ METHODS = [("off", 0.5), ("mean", 0.5), ("sink-heavy", 0.5), ("sink-heavy", 0.25
 FORMATS = ("fp8", "q4", "q3")  # bench/kv.py's quantized KV formats, measured at 8k too for comparison
 LONG = 8192  # positions of the long measurements
 LONG_HEADING = "### Perplexity at 8k positions"
+# The 8k table's rows, by the names --rows takes: each method at its ratio, then each format
+LONG_ROWS = [*(m if m == "off" else f"{m}:{r:g}" for m, r in METHODS), *FORMATS]
+# Every measured 8k row, kept between runs so that a run of some rows (2982 s for all but q3) replaces
+# those and keeps the rest; the table is made from it.
+LONG_JSON = Path(__file__).resolve().parent / "results" / "kv_long.json"
+# off is every run's reference: a kept row is comparable only when this run's off equals the one it
+# was measured beside, to the table's 4 decimals (fp32 perplexity moves only with the order of sums,
+# e.g. another thread count; a change to the model or the text moves it far more).
+SAME_OFF = 1e-4
 
 
 def _table(model, tokens: int) -> PagedKVCache:
@@ -109,24 +119,70 @@ def long_ids(tokenizer, text: str) -> list[int]:
     return (tokenizer.encode(text) * 4)[:LONG]
 
 
-def run_long(model, tokenizer, text: str, chunk: int = 64, formats=FORMATS) -> dict:
-    """Perplexity at 8k positions, per KV_COMPRESS method and per quantized format: over all
-    positions, and over those past the text's first copy (the model can copy them from its context,
-    so they show what a method loses of older content)."""
+def long_row(name: str) -> tuple[str, float | None]:
+    """(method, ratio) of a LONG_ROWS name: a KV_COMPRESS method at a ratio, or (format, None)."""
+    if name in FORMATS:
+        return name, None
+    method, _, ratio = name.partition(":")
+    return method, dict(METHODS)[method] if method == "off" else float(ratio)
+
+
+def long_key(row: dict) -> str:
+    """The LONG_ROWS name of a measured row."""
+    if row["ratio"] is None or row["method"] == "off":
+        return row["method"]
+    return f"{row['method']}:{row['ratio']:g}"
+
+
+def run_long(model, tokenizer, text: str, chunk: int = 64, rows=LONG_ROWS) -> dict:
+    """Perplexity at 8k positions, per KV_COMPRESS method and per quantized format (the LONG_ROWS
+    named in rows; off always, first: it is the reference): over all positions, and over those past
+    the text's first copy (the model can copy them from its context, so they show what a method
+    loses of older content)."""
     ids = long_ids(tokenizer, text)
     first = len(tokenizer.encode(text)) - 1  # targets ids[1:first + 1] are the first copy's
-    rows, t0 = [], time.perf_counter()
-    for name, ratio in [*METHODS, *((f, None) for f in formats)]:
+    out, t0 = [], time.perf_counter()
+    for name, ratio in map(long_row, ["off", *(r for r in LONG_ROWS if r in rows and r != "off")]):
         t = time.perf_counter()
         if ratio is None:
             nll, bpt = format_nll(model, tokenizer, ids, name, chunk), None
         else:
             nll, bpt = token_nll(model, ids, name, ratio, chunk)
-        rows.append({"method": name, "ratio": ratio, "ppl": math.exp(nll.mean().item()), "bpt": bpt,
-                     "ppl_first": math.exp(nll[:first].mean().item()), "ppl_rest": math.exp(nll[first:].mean().item()),
-                     "s": time.perf_counter() - t})
-        print(rows[-1], flush=True)
-    return {"rows": rows, "tokens": len(ids), "first": first, "chunk": chunk, "seconds": time.perf_counter() - t0}
+        out.append({"method": name, "ratio": ratio, "ppl": math.exp(nll.mean().item()), "bpt": bpt,
+                    "ppl_first": math.exp(nll[:first].mean().item()), "ppl_rest": math.exp(nll[first:].mean().item()),
+                    "s": time.perf_counter() - t})
+        print(out[-1], flush=True)
+    return {"rows": out, "tokens": len(ids), "first": first, "chunk": chunk, "seconds": time.perf_counter() - t0}
+
+
+def long_settings(res: dict) -> dict:
+    """What makes two runs' rows comparable: the text's positions, its first copy, chunks, window, blocks."""
+    return {"tokens": res["tokens"], "first": res["first"], "chunk": res["chunk"], "window": WINDOW, "block": BLOCK}
+
+
+def merge_long(old: dict | None, res: dict, when: str) -> tuple[dict, list[str]]:
+    """(the sidecar with run_long's result `res`, run at `when`, merged in; the names of its rows dropped).
+    The run's rows replace those of the same name; the others stay when they were measured with the
+    same settings beside an off equal to this run's (SAME_OFF), else they are dropped (to rerun)."""
+    settings = long_settings(res)
+    rows = {long_key(r): {**r, "run": when} for r in res["rows"]}
+    runs = {when: {"seconds": round(res["seconds"]), "rows": list(rows)}}
+    dropped = []
+    if old is not None:
+        off, old_off = rows["off"], old["rows"].get("off")
+        same = old["settings"] == settings and old_off is not None and all(
+            abs(off[k] - old_off[k]) <= SAME_OFF for k in ("ppl", "ppl_first", "ppl_rest"))
+        for name, r in old["rows"].items():
+            if name in rows:
+                continue
+            if same:
+                rows[name] = r
+                runs.setdefault(r["run"], old["runs"][r["run"]])
+            else:
+                dropped.append(name)
+    order = {name: i for i, name in enumerate(LONG_ROWS)}
+    rows = dict(sorted(rows.items(), key=lambda kv: order.get(kv[0], len(order))))
+    return {"settings": settings, "runs": dict(sorted(runs.items())), "rows": rows}, dropped
 
 
 def greedy(model, prompt: list[int], method: str, ratio: float, new: int, chunk: int) -> tuple[list[int], float]:
@@ -268,27 +324,37 @@ def splice(text: str, section: str) -> str:
     return text[:start] + section + (text[end:] if end >= 0 else "")
 
 
-def markdown_long(res: dict) -> str:
-    """The 8k perplexity table, a subsection of the compressed-KV section."""
-    rows = res["rows"]
-    off = rows[0]
+def markdown_long(data: dict) -> str:
+    """The 8k perplexity table, a subsection of the compressed-KV section, from the sidecar (merge_long)."""
+    rows, cfg = data["rows"], data["settings"]
+    off = rows["off"]
+    runs = [f"{when}: {', '.join(run['rows'])} ({run['seconds']} s)" for when, run in data["runs"].items()]
+    if len(runs) == 1:
+        how = (f"One run on a shared 2-core machine ({next(iter(data['runs'].values()))['seconds']} s; "
+               "perplexity is not a timing, noise does not move it).")
+    else:
+        how = (f"Rows from {len(runs)} runs on a shared 2-core machine (`--rows` reruns some, "
+               "bench/results/kv_long.json keeps the others; off, the reference, runs in each and agrees to 4 "
+               f"decimals): {'; '.join(runs)}. Perplexity is not a timing, noise does not move it.")
     out = [LONG_HEADING, "",
-           f"`python -m bench.kv_compress --long`: {res['tokens']} positions, bench/kv_text.py's text four times "
-           f"(the first copy: the first {res['first']} targets), teacher-forced in chunks of {res['chunk']} (each "
+           f"`python -m bench.kv_compress --long`: {cfg['tokens']} positions, bench/kv_text.py's text four times "
+           f"(the first copy: the first {cfg['first']} targets), teacher-forced in chunks of {cfg['chunk']} (each "
            "chunk compressed after it, as the engine compresses after every step); the same model, window and "
            "chunks as above. The quantized formats (uncompressed, as bench/kv.py builds them: calibrated, newest "
            "block and first token exact) go through the same chunks. Past the first copy the model can copy "
-           "the text from its context, so that column shows what a cache loses of older content. One run on a "
-           f"shared 2-core machine ({res['seconds']:.0f} s; perplexity is not a timing, noise does not move it).",
+           "the text from its context, so that column shows what a cache loses of older content. " + how,
            "",
            "| cache | perplexity at 8k | vs off | first copy (to ~2k) | vs off | past it (~2k to 8k) | vs off |",
            "|---|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
+    for r in rows.values():
         name = r["method"] if r["ratio"] is None else (
             "off (fp32)" if r["method"] == "off" else f"{r['method']} {r['ratio']:g}")
         out.append(f"| {name} | {r['ppl']:.4f} | {r['ppl'] / off['ppl'] - 1:+.2%} | {r['ppl_first']:.4f} "
                    f"| {r['ppl_first'] / off['ppl_first'] - 1:+.2%} | {r['ppl_rest']:.4f} "
                    f"| {r['ppl_rest'] / off['ppl_rest'] - 1:+.2%} |")
+    missing = [name for name in LONG_ROWS if name not in rows]
+    if missing:
+        out += ["", f"Not measured at 8k: {', '.join(missing)} (to measure: `--rows {','.join(missing)}`)."]
     return "\n".join(out) + "\n"
 
 
@@ -310,8 +376,8 @@ def splice_long(text: str, sub: str) -> str:
 
 def main() -> None:
     import argparse
+    import json
     import os
-    from pathlib import Path
 
     from bench.kv import RESULTS
     from bench.kv_text import EVAL_TEXT
@@ -320,15 +386,26 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description="KV_COMPRESS quality at 8k positions (the rest: bench/kv.py --compress)")
     ap.add_argument("--long", action="store_true", help="perplexity at 8k positions, spliced into --out")
-    ap.add_argument("--formats", default=",".join(FORMATS), help="quantized formats measured too ('' for none)")
+    ap.add_argument("--rows", default=",".join(LONG_ROWS),
+                    help=f"rows to (re)measure, of {','.join(LONG_ROWS)} (off always runs: the reference); "
+                         "--json keeps the others")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--json", type=Path, default=LONG_JSON, help="every measured row, merged run by run")
     args = ap.parse_args()
     if not args.long:
         ap.error("nothing to do: --long (the rest of the section: python bench/kv.py --compress)")
+    rows = [r for r in args.rows.split(",") if r]
+    if unknown := [r for r in rows if r not in LONG_ROWS]:
+        ap.error(f"--rows: unknown {', '.join(unknown)} (of {', '.join(LONG_ROWS)})")
     torch.set_num_threads(len(os.sched_getaffinity(0)))
     model, tokenizer = load_model(embedded_model_path(), "fp32")
-    res = run_long(model, tokenizer, EVAL_TEXT, formats=[f for f in args.formats.split(",") if f])
-    sub = markdown_long(res)
+    res = run_long(model, tokenizer, EVAL_TEXT, rows=rows)
+    old = json.loads(args.json.read_text()) if args.json.exists() else None
+    data, dropped = merge_long(old, res, time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    if dropped:
+        print(f"dropped (measured beside another off or with other settings): {', '.join(dropped)}", flush=True)
+    args.json.write_text(json.dumps(data, indent=1) + "\n")
+    sub = markdown_long(data)
     args.out.write_text(splice_long(args.out.read_text() if args.out.exists() else "", sub))
     print(sub)
 

@@ -30,7 +30,9 @@ The family files (bench/make_shaped_model.py's FAMILY_SHAPES: each family at its
 widths, ~0.4-1.2B parameters, SmolLM2's vocabulary, random weights, Q4_K_M by llama-quantize), where
 setup_models.sh made them, get the same rounds and a section of their own ("Families"), with the
 decode path kvgen's engine took for each (fused, or Model.forward and why). `--models families`
-(`make bench-models MODELS=families`) runs those rows only and rewrites only that section.
+(`make bench-models MODELS=families`) runs those rows only and rewrites only that section. A family
+file that either peer cannot load is written as failed, with llama.cpp's own reason (llama-bench -v's
+"error loading model" line), and the other families still run.
 
 Other processes on the cores slow both peers' rounds: the load average is printed and written.
 """
@@ -196,7 +198,11 @@ def run_llama_bench(path: str) -> dict:
            "-r", "1", "-o", "json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+        why = ""
+        if "failed to load model" in p.stderr:  # llama-bench mutes llama.cpp's log: its -v says why, as the last line
+            v = subprocess.run([*cmd, "-v"], capture_output=True, text=True, timeout=900).stderr.splitlines()
+            why = "".join(f"\n{line}" for line in v if "error loading model" in line)
+        raise RuntimeError(f"{' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}{why}")
     tests = json.loads(p.stdout)
     out = {"info": {k: tests[0].get(k) for k in ("build_commit", "cpu_info", "backends", "model_type", "model_size",
                                                   "n_batch", "n_ubatch", "flash_attn", "type_k")}}
@@ -358,11 +364,12 @@ def main(models: str = "all") -> None:
                 if len(clean(got)) < n and len(got) < 2 * n and not any("error" in x for x in got):
                     try:
                         got.append(measured(fn, path, budget))
-                    except (RuntimeError, subprocess.TimeoutExpired) as e:  # kvgen could not load or run it
-                        if fn is run_llama_bench:
-                            raise
+                    except (RuntimeError, subprocess.TimeoutExpired) as e:  # the peer could not load or run it
+                        if fn is run_llama_bench and ty not in FAMILIES:  # llama.cpp's own llama files: a
+                            raise  # failure there is a broken setup, not a result
                         got.append({"error": str(e).strip().splitlines()[-1], "others": 0.0})
-                        print(f"{ty} kvgen failed: {got[-1]['error']}", flush=True)
+                        print(f"{ty} {'llama-bench' if fn is run_llama_bench else 'kvgen'} failed: "
+                              f"{got[-1]['error']}", flush=True)
                         continue
                     x = got[-1]
                     what = (f"pp {x['pp_tps']:.1f} tg {x['tg_tps']:.1f}" if fn is run_llama_bench
@@ -458,17 +465,21 @@ def write_families(results, rounds, cpu, flags, load0, secs, commit) -> None:
     for fam, path, lb, kv in results:
         head = (f"| {fam} | {family_shape(fam)} | {params_b(path):.2f} | {os.path.getsize(path) / 2**20:.0f} | "
                 f"{tensor_types(path)} | ")
-        lb, ok = clean(lb), clean(ran(kv))
-        pp, tg = max(x["pp_tps"] for x in lb), max(x["tg_tps"] for x in lb)
-        others = f"{max(x['others'] for x in lb):.0%} / " + (f"{max(x['others'] for x in ok):.0%}" if ok else "-")
+        llama, ok = clean(ran(lb)), clean(ran(kv))  # either peer may have failed to load the file
+        others = " / ".join(f"{max(x['others'] for x in runs):.0%}" if runs else "-" for runs in (llama, ok))
+        if llama:
+            pp, tg = max(x["pp_tps"] for x in llama), max(x["tg_tps"] for x in llama)
+            pp_s, tg_s = f"{pp:.0f}", f"{tg:.1f}"
+        else:
+            pp_s, tg_s = f"llama-bench failed: {lb[-1]['error'][:120]}", ""
         if not ok:
-            lines.append(head + f"{pp:.0f} | kvgen failed: {kv[-1]['error'][:80]} | | {tg:.1f} | | | | {others} |")
+            lines.append(head + f"{pp_s} | kvgen failed: {kv[-1]['error'][:80]} | | {tg_s} | | | | {others} |")
             continue
         pf, dc = max(x["prefill_tps"] for x in ok), max(x["decode_tps"] for x in ok)
         why = ok[0].get("decode_path_reason") or ""
         path_s = ok[0].get("decode_path", "?") + (f" ({why})" if why else "")
-        lines.append(head + f"{pp:.0f} | {pf:.0f} | {pf / pp:.2f}x | {tg:.1f} | {dc:.1f} | {dc / tg:.2f}x | "
-                     f"{path_s} | {others} |")
+        pf_vs, dc_vs = (f"{pf / pp:.2f}x", f"{dc / tg:.2f}x") if llama else ("", "")
+        lines.append(head + f"{pp_s} | {pf:.0f} | {pf_vs} | {tg_s} | {dc:.1f} | {dc_vs} | {path_s} | {others} |")
     text = OUT.read_text() if OUT.exists() else "# kvgen and llama-bench on the same GGUF files\n"
     if FAMILIES_HEADER in text:  # the section runs to the next top-level section, or the end
         before, _, after = text.partition(FAMILIES_HEADER)
@@ -516,7 +527,8 @@ def write(results, rounds, cpu, flags, load0, secs, commit, bandwidth) -> None:
     lines += [
         "\n## What kvgen ran, and its memory\n",
         "Linears: every layer's qkv, o, gate_up and down (kvgen's block kinds: q4 = Q4_0/Q4_1/Q4_K nibbles, "
-        "q8 = Q8_0/Q5_0/IQ4 int8 codes, q8m = Q5_1/Q5_K, q8h = Q6_K/Q3_K; a+b: a fused weight whose parts "
+        "q8 = Q8_0/IQ4 int8 codes, q5 = Q5_0, q5m = Q5_1/Q5_K, q6h = Q6_K packed codes, q8h = Q3_K, "
+        "q8hm = Q2_K; a+b: a fused weight whose parts "
         "differ in kind). Fused: whether the engine's model runner has kvgen/engine/fused_decode.py's decode "
         "step (FusedDecode.supports the model), and its steps in an 8-token warm-up decode; otherwise decode "
         "runs Model.forward. RSS: VmRSS after "

@@ -150,7 +150,8 @@ shaped_files() {
     local hf="$models/hf-$stem" bf16="$models/$stem.BF16.gguf"
     rm -rf "$hf"
     "$venv_py" "$here/make_shaped_model.py" "$shape" "$hf"
-    "$conv/bin/python" "$src/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$bf16.tmp" 2>&1 | tail -n 3
+    "$conv/bin/python" "$src/convert_hf_to_gguf.py" "$hf" --outtype bf16 --outfile "$bf16.tmp" \
+        ${convert_args[@]+"${convert_args[@]}"} 2>&1 | tail -n 3
     mv "$bf16.tmp" "$bf16"
     rm -rf "$hf"
     for ty in "$@"; do
@@ -161,6 +162,7 @@ shaped_files() {
     done
     rm -f "$bf16"
 }
+convert_args=()  # extra convert_hf_to_gguf.py arguments for shaped_files (step 5's phi3)
 shaped=(${SHAPED-1.7b 8b})
 [[ "$only" == families ]] && shaped=()
 for shape in "${shaped[@]}"; do
@@ -176,11 +178,17 @@ done
 #    them): each family at its real model's widths, layers reduced to ~1B where the real one is larger,
 #    SmolLM2's vocabulary (bench/make_shaped_model.py's FAMILY_SHAPES), random weights, made the same way
 #    as step 4's and quantized to Q4_K_M (~0.3-0.7 GB each). About 2 minutes a family on 2 cores.
+#    phi3's file is named without "phi3" or "phi-3": where a file's general.name has either, llama.cpp's
+#    vocabulary loader (llama-vocab.cpp) sets attributes on Phi-3's sentencepiece tokens "<s>", "</s>" and
+#    "<unk>", and fails on a vocabulary without them, as SmolLM2's ("error loading model vocabulary:
+#    unordered_map::at"); the converter would name the file after its folder, hf-family-phi3.
 families=(${FAMILIES-llama qwen3 qwen2 gemma3 phi3 mistral gemma2})
 for family in "${families[@]}"; do
     out="$models/family-$family.Q4_K_M.gguf"
     [[ "$force" == 1 || ! -s "$out" ]] || continue
     t=$(date +%s)
+    convert_args=()
+    [[ "$family" == phi3 ]] && convert_args=(--model-name "Phi 3 mini widths, SmolLM2 vocabulary")
     shaped_files "$family" "family-$family" Q4_K_M
     echo "$family family file in $(( $(date +%s) - t )) s"
 done
