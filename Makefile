@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora lora-adapter eagle-head clean
+.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup lora-adapter eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
@@ -153,6 +153,11 @@ bench-lora: $(STAMP) $(STUBS) lora-adapter
 # a short PEFT LoRA run on the embedded model (answers as JSON), never committed: bench/.cache/adapters
 lora-adapter: $(STAMP)
 	test -f bench/.cache/adapters/json-lora/adapter_config.json || $(PY) bench/train_lora.py
+
+# seconds to SERVING (kernel cache warm and cold) next to llama-server's: bench/results/startup.md
+bench-startup: $(STAMP) $(STUBS)
+	bash bench/setup_llama_server.sh
+	$(PY) bench/startup.py
 
 bench-models: $(STAMP) $(STUBS)
 	MODELS=$(MODELS) bash bench/setup_models.sh
