@@ -250,6 +250,25 @@ def _check_device_dtype(weight_dtype: str, device: torch.device) -> None:
                          f"on {device.type} use one of {', '.join(CUDA_WEIGHT_DTYPES)}")
 
 
+def held_bytes(arrays, linears) -> int:
+    """Bytes of a model's weights as held: float arrays and each linear's blocks' codes and scales or
+    float matrix; a buffer shared by two (tied embeddings, a stack's views) counted once."""
+    arrays = list(arrays)
+    for lin in linears:
+        for part in getattr(lin, "parts", [lin]):
+            arrays += [getattr(part, name, None) for name in ("qs", "scales", "w", "scale")]
+    seen: set[int] = set()
+    total = 0
+    for a in arrays:
+        if a is None:
+            continue
+        ptr = a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
+        if ptr not in seen:
+            seen.add(ptr)
+            total += a.nbytes
+    return total
+
+
 def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: Mapping | None) -> str:
     """auto: on the CPU, blocks where the file gives them: a GGUF's own (the bytes of a Q4 file, the
     fidelity of fp32), and the Q8_0 blocks made at load of a bf16 / fp16 model's matrices (an HF folder's, a
@@ -322,24 +341,12 @@ class Model:
             self.to(device)
 
     def weight_bytes(self) -> int:
-        """Bytes of the weights as held: blocks' codes and scales, float tensors; a buffer shared by
-        two (tied embeddings, a stack's views) once."""
-        seen: set[int] = set()
-        total = 0
+        """Bytes of the weights as held (held_bytes)."""
         embed = self.embed.table if self.embed.table is not None else self.embed.raw  # (raw: the file's mapping)
         arrays = [embed, self.norm.w, *(n.w for layer in self.layers for n in layer.norms())]
-        for lin in [*(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
-                    self.lm_head]:
-            for part in getattr(lin, "parts", [lin]):
-                arrays += [getattr(part, name, None) for name in ("qs", "scales", "w", "scale")]
-        for a in arrays:
-            if a is None:
-                continue
-            ptr = a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
-            if ptr not in seen:
-                seen.add(ptr)
-                total += a.nbytes
-        return total
+        linears = [*(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                   self.lm_head]
+        return held_bytes(arrays, linears)
 
     def to(self, device: str | torch.device) -> Model:
         """Move every weight and the RoPE table to `device` (built on the CPU first, so the

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from kvgen.cpu.weight_blocks import compile_kernels
 from kvgen.engine.embedding import TokenEmbedding
-from kvgen.engine.model import RMSNorm, make_linear, resolve_weight_dtype
+from kvgen.engine.model import RMSNorm, held_bytes, make_linear, resolve_weight_dtype
 from kvgen.engine.model_config import ModelConfig, UnsupportedModel
 
 # Within a prompt chunk the scan is quadratic in its length (the L x L decay matrix); 64 rows keep that
@@ -118,22 +118,13 @@ class Mamba2:
         return [conv, ssm] * cfg.num_layers
 
     def weight_bytes(self) -> int:
-        seen, total = set(), 0
+        """Bytes of the weights as held (model.held_bytes)."""
         embed = self.embed.table if self.embed.table is not None else self.embed.raw
         arrays = [embed, self.norm.w]
         for layer in self.layers:
             arrays += [layer.norm.w, layer.conv_w, layer.conv_b, layer.dt_bias, layer.A, layer.D, layer.gate_norm]
-        for lin in [*(x for layer in self.layers for x in (layer.in_proj, layer.out_proj)), self.lm_head]:
-            for part in getattr(lin, "parts", [lin]):
-                arrays += [getattr(part, name, None) for name in ("qs", "scales", "w", "scale")]
-        for a in arrays:
-            if a is None:
-                continue
-            ptr = a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
-            if ptr not in seen:
-                seen.add(ptr)
-                total += a.nbytes
-        return total
+        linears = [*(x for layer in self.layers for x in (layer.in_proj, layer.out_proj)), self.lm_head]
+        return held_bytes(arrays, linears)
 
     # the forward
 
