@@ -234,11 +234,27 @@ class Smg:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
+    def _workers(self) -> list[dict]:
+        with urllib.request.urlopen(f"{self.url}/workers", timeout=2) as r:
+            return json.loads(r.read())["workers"]
+
     def worker_health(self) -> dict[str, bool]:
         """worker URL -> whether smg routes to it (GET /workers)."""
-        with urllib.request.urlopen(f"{self.url}/workers", timeout=2) as r:
-            workers = json.loads(r.read())["workers"]
-        return {w["url"]: bool(w["is_healthy"]) and w.get("status", "ready") == "ready" for w in workers}
+        return {w["url"]: bool(w["is_healthy"]) and w.get("status", "ready") == "ready" for w in self._workers()}
+
+    def worker_loads(self) -> dict[str, int]:
+        """worker URL -> calls smg has in flight on it: the load its policies compare. smg lowers it
+        a moment after a response's last byte, so a caller that waits for its answer and calls again
+        can still see the last call counted."""
+        return {w["url"]: int(w.get("load", 0)) for w in self._workers()}
+
+    def wait_idle(self, timeout: float = 10) -> None:
+        """Until smg counts no call in flight on any worker."""
+        deadline = time.monotonic() + timeout
+        while any(self.worker_loads().values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"smg still counts calls in flight: {self.worker_loads()}")
+            time.sleep(0.05)
 
     def wait_workers(self, want: dict[str, bool], timeout: float = 60) -> None:
         """Until smg sees each worker URL healthy (True) or not (False)."""

@@ -8,6 +8,7 @@ other replica. A replica that answered a call is told by its own HTTP request co
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 import time
@@ -86,23 +87,50 @@ def test_chat_completions_and_streams_through_smg_are_the_replicas_own(mesh):
     assert [m.id for m in routed.models.list().data] == [MODEL]
 
 
-def _conversations(mesh: Mesh, url: str, topics: list[str], turns: int) -> list[list[tuple[str, int, int, float]]]:
+@contextlib.contextmanager
+def _one_long_call_in_flight(mesh: Mesh):
+    """A long stream through smg, started and left open: yields the replica serving it."""
+    stream = _sdk(mesh.url).completions.create(model=MODEL, prompt="Count", stream=True, max_tokens=1900,
+                                               temperature=0, extra_body={"ignore_eos": True})
+    try:
+        assert next(iter(stream)).choices[0].finish_reason is None  # started
+        running = {r.name: r.counter("kvgen_requests_running") for r in mesh.replicas}
+        yield max(running, key=running.get)
+    finally:
+        stream.close()
+        mesh.smg.wait_idle()
+
+
+def _conversations(mesh: Mesh, gateway: Smg, topics: list[str], turns: int,
+                   first_beside_a_long_call: bool = False) -> list[list[tuple[str, int, int, float]]]:
     """Stateless chats (the whole conversation resent each turn, as OpenAI-style clients do),
-    interleaved turn by turn: per conversation, per turn, (replica that answered, prompt tokens,
-    cached tokens the reply reported, that replica's prefix-cache hit tokens for the call)."""
-    client = _sdk(url)
+    interleaved turn by turn, each call made when the gateway counts nothing in flight: per
+    conversation, per turn, (replica that answered, prompt tokens, cached tokens the reply reported,
+    that replica's prefix-cache hit tokens for the call). With `first_beside_a_long_call`, the first
+    conversation starts while a long call keeps one replica busy."""
+    client = _sdk(gateway.url)
     history = [[{"role": "system", "content": f"You talk about {t} and nothing else, at length."}] for t in topics]
     out: list[list] = [[] for _ in topics]
+
+    def call(i: int, msgs: list[dict]) -> tuple[str, int, int, float]:
+        before = _served(mesh)
+        hits_before = {r.name: r.counter("kvgen_prefix_cache_hit_tokens_total") for r in mesh.replicas}
+        reply = client.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
+        who = _who(before, _served(mesh))
+        hit = mesh.replica(who).counter("kvgen_prefix_cache_hit_tokens_total") - hits_before[who]
+        msgs.append({"role": "assistant", "content": reply.choices[0].message.content})
+        return who, reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens, hit
+
     for turn in range(turns):
         for i, msgs in enumerate(history):
             msgs.append({"role": "user", "content": f"Tell me more about {topics[i]}, part {turn + 1}."})
-            before = _served(mesh)
-            hits_before = {r.name: r.counter("kvgen_prefix_cache_hit_tokens_total") for r in mesh.replicas}
-            reply = client.chat.completions.create(model=MODEL, messages=msgs, **GREEDY)
-            who = _who(before, _served(mesh))
-            hit = mesh.replica(who).counter("kvgen_prefix_cache_hit_tokens_total") - hits_before[who]
-            out[i].append((who, reply.usage.prompt_tokens, reply.usage.prompt_tokens_details.cached_tokens, hit))
-            msgs.append({"role": "assistant", "content": reply.choices[0].message.content})
+            gateway.wait_idle()
+            if first_beside_a_long_call and turn == 0 and i == 0:
+                with _one_long_call_in_flight(mesh) as busy:
+                    out[i].append(call(i, msgs))
+                assert out[i][0][0] != busy, "smg sent a new conversation to the busy replica"
+            else:
+                out[i].append(call(i, msgs))
     return out
 
 
@@ -114,22 +142,26 @@ def _kept(conversation) -> bool:
 
 
 def test_cache_aware_keeps_a_stateless_chat_on_the_replica_holding_its_prefix(mesh):
-    # three conversations: an odd number, so that round robin cannot keep one on a replica by parity
+    # smg 1.13 sends a conversation it has no prefix for to the worker with the fewest calls in
+    # flight, the first one listed on a tie: with one call at a time every new conversation lands on
+    # the same replica. So the first conversation starts while a long call keeps that replica busy,
+    # and lands on the other one; its later turns, made when both are idle, stay there only because
+    # smg remembers where its prefix is. The other two start on the first replica.
     topics = ["volcanoes", "violins", "glaciers"]
-    convs = _conversations(mesh, mesh.url, topics, turns=3)
+    convs = _conversations(mesh, mesh.smg, topics, turns=3, first_beside_a_long_call=True)
     for conv in convs:
         assert len({who for who, *_ in conv}) == 1, conv  # one replica for the whole conversation
         assert _kept(conv), conv
         assert all(cached > 0 for _, _, cached, _ in conv[1:]), conv  # and the replies say so (usage)
-    # and not because everything went to one replica: the conversations were spread over both
-    assert {conv[0][0] for conv in convs} == {"r0", "r1"}, convs
+    assert {conv[0][0] for conv in convs} == {"r0", "r1"}, convs  # not all on one replica
 
-    # the same traffic under smg round_robin over the same replicas loses prefixes
+    # the same traffic under smg round_robin over the same replicas loses prefixes (three
+    # conversations: an odd number, so that round robin cannot keep one on a replica by parity)
     rr = Smg([r.url for r in mesh.replicas], mesh.workdir, policy="round_robin")
     rr.start()
     try:
         rr.wait_workers({r.url: True for r in mesh.replicas})
-        convs = _conversations(mesh, rr.url, ["canals", "comets", "cathedrals"], turns=3)
+        convs = _conversations(mesh, rr, ["canals", "comets", "cathedrals"], turns=3)
     finally:
         rr.stop()
     assert not all(_kept(conv) for conv in convs), convs
