@@ -10,9 +10,10 @@ kvgen runs as `make serve` does (`python -m kvgen.service.server`, MODEL=<file>,
 llama-server (bench/setup_llama_server.sh) maps the file and has nothing to compile.
 
 Runs alternate between the servers, each alone on the machine; best and median of the rounds.
-Writes bench/results/startup.md.
+Writes bench/results/startup.md (--out; a partial run, --servers or --no-cold, writes nowhere unless
+--out says where: its table has "-" for what it did not run).
 
-    .venv/bin/python bench/startup.py [--models PATH,...] [--rounds 3]
+    .venv/bin/python bench/startup.py [--models PATH,...] [--rounds 3] [--servers kvgen] [--no-cold]
 """
 
 from __future__ import annotations
@@ -105,14 +106,15 @@ def _label(model: str) -> str:
     return "embedded Q4_1" if model == "embedded" else Path(model).name
 
 
-def measure(models: list[str], rounds: int) -> dict:
+def measure(models: list[str], rounds: int, runs: tuple = ("kvgen warm", "llama-server", "kvgen cold")) -> dict:
     out = {}
     for model in models:
         size = os.path.getsize(peers.model_path() if model == "embedded" else model)
         res = {"MiB": size / 2**20, "kvgen warm": [], "kvgen cold": [], "llama-server": []}
-        start("kvgen", model)  # fills the kernel cache (untimed)
+        if "kvgen warm" in runs:
+            start("kvgen", model)  # fills the kernel cache (untimed)
         for r in range(rounds):
-            for name in ("kvgen warm", "llama-server", "kvgen cold"):
+            for name in runs:
                 if name == "llama-server" and not LLAMA_SERVER.exists():
                     continue
                 if name == "kvgen cold":
@@ -127,10 +129,10 @@ def measure(models: list[str], rounds: int) -> dict:
     return out
 
 
-def render(results: dict, rounds: int, seconds: float, load: tuple) -> str:
+def render(results: dict, rounds: int, seconds: float, load: tuple, flags: str = "") -> str:
     lines = ["# Start-up next to llama-server", "",
              f"{datetime.date.today().isoformat()} · {peers.cpu_name()} · {peers.cores()} cores · "
-             f"`bench/startup.py --rounds {rounds}` ({seconds:.0f} s; load average at the start {load[0]:.2f}, "
+             f"`bench/startup.py --rounds {rounds}{flags}` ({seconds:.0f} s; load average at the start {load[0]:.2f}, "
              f"at the end {os.getloadavg()[0]:.2f}).", "",
              "Seconds from starting the server to its first 200 on GET /health (kvgen: SERVING, after the "
              "model is loaded and its kernels are ready; llama-server: the model loaded), and to the reply of a "
@@ -142,34 +144,43 @@ def render(results: dict, rounds: int, seconds: float, load: tuple) -> str:
              "| llama-server first reply s | kvgen warm first reply s | kvgen cold first reply s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
-    def best(xs, key):
-        return min(x[key] for x in xs) if xs else float("nan")
+    def best(xs, key, digits=2):
+        return f"{min(x[key] for x in xs):.{digits}f}" if xs else "-"
 
     def med(xs, key):
-        return statistics.median(x[key] for x in xs) if xs else float("nan")
+        return f"{best(xs, key)} (median {statistics.median(x[key] for x in xs):.2f})" if xs else "-"
 
     for model, r in results.items():
         ls, w, c = r["llama-server"], r["kvgen warm"], r["kvgen cold"]
-        lines.append(f"| {_label(model)} | {r['MiB']:.0f} | {best(ls, 'ready'):.2f} (median {med(ls, 'ready'):.2f}) "
-                     f"| {best(w, 'ready'):.2f} (median {med(w, 'ready'):.2f}) "
-                     f"| {best(w, 'ready') / best(ls, 'ready'):.2f}x | {best(c, 'ready'):.1f} "
-                     f"| {best(ls, 'first'):.2f} | {best(w, 'first'):.2f} | {best(c, 'first'):.1f} |")
+        ratio = f"{float(best(w, 'ready')) / float(best(ls, 'ready')):.2f}x" if w and ls else "-"
+        lines.append(f"| {_label(model)} | {r['MiB']:.0f} | {med(ls, 'ready')} | {med(w, 'ready')} | {ratio} "
+                     f"| {best(c, 'ready', 1)} | {best(ls, 'first')} | {best(w, 'first')} | {best(c, 'first', 1)} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--models", default=",".join(DEFAULT_FILES), help="GGUF paths, or 'embedded'")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--servers", default="kvgen,llama-server", help="which of kvgen, llama-server to start")
+    ap.add_argument("--no-cold", action="store_true", help="no cold kvgen start (minutes a file: it compiles)")
+    ap.add_argument("--out", type=Path, default=None, help=f"where the table goes (default {RESULTS.relative_to(ROOT)} "
+                    "for a whole run, nowhere for a partial one)")
     a = ap.parse_args()
-    if not LLAMA_SERVER.exists():
+    servers = a.servers.split(",")
+    if "llama-server" in servers and not LLAMA_SERVER.exists():
         print(f"llama-server missing ({LLAMA_SERVER}): bash bench/setup_llama_server.sh; kvgen only")
+    runs = tuple(n for n in ("kvgen warm", "llama-server", "kvgen cold") if n.split()[0] in servers
+                 and not (n == "kvgen cold" and a.no_cold))
     models = [m for m in a.models.split(",") if m == "embedded" or Path(m).exists()]
     load, t0 = os.getloadavg(), time.perf_counter()
-    results = measure(models, a.rounds)
-    text = render(results, a.rounds, time.perf_counter() - t0, load)
-    a.out.write_text(text)
+    results = measure(models, a.rounds, runs)
+    flags = "".join(f" {f}" for f, on in ((f"--servers {a.servers}", a.servers != "kvgen,llama-server"),
+                                            ("--no-cold", a.no_cold)) if on)
+    text = render(results, a.rounds, time.perf_counter() - t0, load, flags)
+    out = a.out or (RESULTS if len(runs) == 3 else None)
+    if out:
+        out.write_text(text)
     print(text)
 
 

