@@ -145,8 +145,10 @@ bench-serving: $(STAMP) $(STUBS)
 # kvgen next to llama-bench on the embedded model re-encoded as Q4_K_M/Q5_K_M/Q6_K/Q8_0 (made offline,
 # with llama-quantize/llama-bench built from the same sdist), and one ~1B file per model family;
 # MODELS=families runs the family rows only: bench/results/models.md
-# 16 streams over 8 random LoRA adapters vs 16 on the base model, one engine: bench/results/lora.md
+# 16 streams over 8 random LoRA adapters vs 16 on the base model, one engine, and llama-server with the
+# same adapters beside it: bench/results/lora.md
 bench-lora: $(STAMP) $(STUBS) lora-adapter
+	bash bench/setup_llama_server.sh
 	$(PY) bench/lora.py $(LORA_ARGS)
 	$(PY) bench/lora_trained.py
 

@@ -1,7 +1,7 @@
 """An HF folder of a real model's shape with random weights, for the bench's large files.
 
     python bench/make_shaped_model.py {1.7b,8b} OUT_FOLDER
-    python bench/make_shaped_model.py {llama,mistral,qwen2,qwen3,gemma2,gemma3,phi3} OUT_FOLDER
+    python bench/make_shaped_model.py {llama,mistral,qwen2,qwen3,gemma2,gemma3,phi3,mamba2} OUT_FOLDER
 
 Only speed and memory mean something on these models: the weights are random (normal, std 0.02,
 bf16), the tokenizer is the embedded SmolLM2's (49152 tokens), so the 8B shape is Llama 3.1 8B's
@@ -15,6 +15,8 @@ The family shapes (FAMILY_SHAPES, for `make bench-models MODELS=families`) are e
 model's widths (hidden, intermediate, heads, KV heads, head_dim, the family's own features: qkv bias,
 q/k norms, windows, soft-caps), with fewer layers where the real model is far past 1B, over
 SmolLM2's vocabulary (49152 tokens, not the real ones' 32k-262k), so each is 0.4B-1.2B parameters.
+mamba2 (the state-space family) is Mamba-2 1.3B's widths (hidden 2048, 64 heads of 64 over an inner width of
+4096, a state of 128 per channel, one group, conv over 4 inputs) with 24 of its 48 layers.
 gemma2's converter takes a vocabulary only from a sentencepiece tokenizer.model, and qwen2's refuses
 SmolLM2's BPE (transformers rebuilds a qwen2 folder's tokenizer with Qwen2's pre-tokenizer, whose hash
 the converter does not know) but takes a tokenizer.model first: their folders get tests/tiny.py's small
@@ -68,6 +70,9 @@ FAMILY_SHAPES = {
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=7, num_attention_heads=32,
         num_key_value_heads=32, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "original_max_position_embeddings": 4096})),
+    "mamba2": ("Mamba-2 1.3B", 48, dict(  # 24 of 48 layers; transformers' Mamba2Config fields
+        hidden_size=2048, num_hidden_layers=24, num_heads=64, head_dim=64, expand=2, state_size=128, n_groups=1,
+        conv_kernel=4, chunk_size=256, tie_word_embeddings=True)),
 }
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model type where it is not the GGUF family
 
@@ -103,12 +108,13 @@ def family_main(family: str, out: str) -> None:
             json.dump({**tc, "tokenizer_class": "GPT2Tokenizer"}, f, indent=2)
     groups: dict[int, dict] = {}
     for name, p in model.named_parameters():  # a tied lm_head is the embedding's (listed once)
-        i = int(name.split(".")[2]) + 1 if name.startswith("model.layers.") else 0
+        parts = name.split(".")  # model.layers.N. (mamba2: backbone.layers.N.)
+        i = int(parts[parts.index("layers") + 1]) + 1 if "layers" in parts else 0
         groups.setdefault(i, {})[name] = tuple(p.shape)
     del model
     g = torch.Generator().manual_seed(0)
 
-    def make(name, shape):  # norms 1 (gemma's (1 + w): 2), the rest normal, std 0.02
+    def make(name, shape):  # norms 1 (gemma's (1 + w): 2), the rest normal, std 0.02 (mamba2's A_log too: A ~ -1)
         if "norm" in name:
             return torch.ones(shape, dtype=torch.bfloat16)
         return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)

@@ -29,10 +29,12 @@ against the issue's bound (1.2x the file + the KV pool). A kvgen round that cann
 The family files (bench/make_shaped_model.py's FAMILY_SHAPES: each family at its real model's
 widths, ~0.4-1.2B parameters, SmolLM2's vocabulary, random weights, Q4_K_M by llama-quantize), where
 setup_models.sh made them, get the same rounds and a section of their own ("Families"), with the
-decode path kvgen's engine took for each (fused, or Model.forward and why). `--models families`
-(`make bench-models MODELS=families`) runs those rows only and rewrites only that section. A family
-file that either peer cannot load is written as failed, with llama.cpp's own reason (llama-bench -v's
-"error loading model" line), and the other families still run.
+decode path kvgen's engine took for each (fused, Model.forward, or mamba2's state-space torch steps, and
+why). `--models families` (`make bench-models MODELS=families`) runs those rows only and rewrites only that
+section; `--family NAME` (repeatable) runs only the named families' rows and prints them without writing
+models.md (a check of one file: `BENCH_ROUNDS=1 python bench/models.py --models families --family mamba2`).
+A family file that either peer cannot load is written as failed, with llama.cpp's own reason (llama-bench
+-v's "error loading model" line), and the other families still run.
 
 Other processes on the cores slow both peers' rounds: the load average is printed and written.
 """
@@ -63,7 +65,9 @@ TYPES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")  # Q4_1: the embedded file 
 SHAPED = (("1.7B Q4_0", "shaped-1.7b.Q4_0.gguf"), ("1.7B Q4_K_M", "shaped-1.7b.Q4_K_M.gguf"),
           ("8B Q4_K_M", "shaped-8b.Q4_K_M.gguf"))
 # One file per family (bench/make_shaped_model.py FAMILY_SHAPES), where present
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mamba2")
+# a layer's linears: an attention family's four (fused as model.py fuses them), a Mamba-2's two
+LINEARS = ("qkv", "o", "gate_up", "down", "in_proj", "out_proj")
 FAMILIES_HEADER = "## Families at a 1B-ish shape"
 ONE_ROUND_FROM = 2 * 2**30  # files this large get one round a peer (a kvgen round of the 8B file is minutes)
 BANDWIDTH_BYTES = 2 * 2**30
@@ -113,7 +117,7 @@ def kvgen_round(path: str) -> dict:
     mem["ready"] = status_kb("VmRSS")["VmRSS"]
     mem["kv_pool"] = sum(t.nbytes for t in gen.pool.store.values() if isinstance(t, torch.Tensor)) / 2**20
 
-    lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    lins = [getattr(layer, f) for layer in model.layers for f in LINEARS if hasattr(layer, f)]
 
     def kind(lin) -> str:  # a fused weight with parts of different kinds (PartsLinear): their kinds
         if isinstance(lin, BlockLinear):
@@ -296,18 +300,19 @@ def tensor_types(path: str) -> str:
     return ", ".join(f"{k} {v}" for k, v in types.most_common())
 
 
-def family_files() -> list[tuple[str, str]]:
+def family_files(only: list[str] | None = None) -> list[tuple[str, str]]:
     return [(f, str(MODELS / f"family-{f}.Q4_K_M.gguf")) for f in FAMILIES
-            if (MODELS / f"family-{f}.Q4_K_M.gguf").exists()]
+            if (MODELS / f"family-{f}.Q4_K_M.gguf").exists() and (not only or f in only)]
 
 
-def files(models: str = "all") -> list[tuple[str, str]]:
+def files(models: str = "all", only: list[str] | None = None) -> list[tuple[str, str]]:
     from kvgen.engine.model_files import embedded_model_path
 
     if models == "families":
-        if not family_files():
-            raise SystemExit(f"no family-*.Q4_K_M.gguf in {MODELS}: run MODELS=families bash bench/setup_models.sh")
-        return family_files()
+        if not family_files(only):
+            names = f"family-{{{','.join(only)}}}" if only else "family-*"
+            raise SystemExit(f"no {names}.Q4_K_M.gguf in {MODELS}: run MODELS=families bash bench/setup_models.sh")
+        return family_files(only)
     out = []
     for ty in TYPES:
         path = embedded_model_path() if ty == "Q4_1" else str(MODELS / f"SmolLM2-135M-Instruct.{ty}.gguf")
@@ -343,7 +348,8 @@ def git_commit() -> str:
         return "unknown"
 
 
-def main(models: str = "all") -> None:
+def main(models: str = "all", only: list[str] | None = None) -> None:
+    """only: the families to run (models families); their rows are printed, models.md left as it is."""
     if not os.access(TOOLS / "llama-bench", os.X_OK):
         raise SystemExit(f"{TOOLS / 'llama-bench'} missing: run bash bench/setup_models.sh")
     rounds = int(os.environ.get("BENCH_ROUNDS", "3"))
@@ -353,7 +359,7 @@ def main(models: str = "all") -> None:
     budget = [float(os.environ.get("BENCH_QUIET_BUDGET", "600"))]  # seconds of waiting for quiet, in all
     commit = git_commit()
     results = []
-    for ty, path in files(models):
+    for ty, path in files(models, only):
         kv, lb = [], []
         n = 1 if os.path.getsize(path) >= ONE_ROUND_FROM else rounds
         # rounds until each peer has `n` clean ones (others <= CLEAN) or ran 2 * n times
@@ -385,7 +391,7 @@ def main(models: str = "all") -> None:
     if now != commit:
         commit = f"{commit}, then {now} (the tree changed during the run)"
     if models == "families":
-        write_families(results, rounds, name, flags, load0, time.time() - t0, commit)
+        write_families(results, rounds, name, flags, load0, time.time() - t0, commit, write=not only)
     else:
         write([r for r in results if r[0] not in FAMILIES], rounds, name, flags, load0, time.time() - t0, commit,
               bandwidth)
@@ -434,8 +440,12 @@ def family_shape(family: str) -> str:
     from bench.make_shaped_model import FAMILY_SHAPES
 
     real, layers, shape = FAMILY_SHAPES[family]
-    return (f"{real}: hidden {shape['hidden_size']}, ffn {shape['intermediate_size']}, "
-            f"{shape['num_hidden_layers']}/{layers} layers")
+    if "state_size" in shape:  # mamba2: no FFN; its scan's heads and state instead
+        width = (f"inner {shape['expand'] * shape['hidden_size']} ({shape['num_heads']} heads of {shape['head_dim']}), "
+                 f"state {shape['state_size']}")
+    else:
+        width = f"ffn {shape['intermediate_size']}"
+    return f"{real}: hidden {shape['hidden_size']}, {width}, {shape['num_hidden_layers']}/{layers} layers"
 
 
 def params_b(path: str) -> float:
@@ -444,8 +454,9 @@ def params_b(path: str) -> float:
     return sum(int(t.n_elements) for t in GGUFReader(path).tensors) / 1e9
 
 
-def write_families(results, rounds, cpu, flags, load0, secs, commit) -> None:
-    """The Families section of models.md, replacing the one there (the other sections kept)."""
+def write_families(results, rounds, cpu, flags, load0, secs, commit, write: bool = True) -> None:
+    """The Families section of models.md, replacing the one there (the other sections kept); write False:
+    printed only (--family: some families' rows, not the section)."""
     lines = [
         FAMILIES_HEADER + "\n",
         f"{datetime.date.today()} · **{cpu}** · {cores()} cores · {flags} · kvgen at {commit}, `make serve`'s "
@@ -456,7 +467,8 @@ def write_families(results, rounds, cpu, flags, load0, secs, commit) -> None:
         "tokens, not the real ones'), random weights (bench/make_shaped_model.py FAMILY_SHAPES), converted to "
         "BF16 by convert_hf_to_gguf.py and quantized to Q4_K_M by llama-quantize (bench/setup_models.sh). "
         "Decode path: the code kvgen's engine runs a decode step with (GetModelInfo.decode_path): fused "
-        "(kvgen/engine/fused_decode.py) or torch (Model.forward), and why.\n",
+        "(kvgen/engine/fused_decode.py) or torch (Model.forward; mamba2: its state-space forward, "
+        "kvgen/engine/model_mamba2.py), and why.\n",
         "| family | shape | params B | MiB | tensor types (2-D) | llama-bench pp512 tok/s | kvgen prefill tok/s | "
         "prefill kvgen/llama | llama-bench tg128 tok/s | kvgen decode tok/s | decode kvgen/llama | decode path | "
         "others (llama / kvgen) |",
@@ -480,12 +492,15 @@ def write_families(results, rounds, cpu, flags, load0, secs, commit) -> None:
         path_s = ok[0].get("decode_path", "?") + (f" ({why})" if why else "")
         pf_vs, dc_vs = (f"{pf / pp:.2f}x", f"{dc / tg:.2f}x") if llama else ("", "")
         lines.append(head + f"{pp_s} | {pf:.0f} | {pf_vs} | {tg_s} | {dc:.1f} | {dc_vs} | {path_s} | {others} |")
+    section = "\n".join(lines) + "\n"
+    if not write:
+        print(section, flush=True)
+        return
     text = OUT.read_text() if OUT.exists() else "# kvgen and llama-bench on the same GGUF files\n"
     if FAMILIES_HEADER in text:  # the section runs to the next top-level section, or the end
         before, _, after = text.partition(FAMILIES_HEADER)
         rest = after.split("\n## ", 1)
         text = before.rstrip("\n") + "\n\n" + ("## " + rest[1] if len(rest) > 1 else "")
-    section = "\n".join(lines) + "\n"
     OUT.write_text(text.rstrip("\n") + "\n\n" + section)
     print(section, flush=True)
 
@@ -576,10 +591,15 @@ if __name__ == "__main__":
     ap.add_argument("--bandwidth", action="store_true", help="the read bandwidth in GB/s (internal)")
     ap.add_argument("--models", choices=("all", "families"), default=os.environ.get("MODELS") or "all",
                     help="all files (default), or the family files only (MODELS=families)")
+    ap.add_argument("--family", action="append", choices=FAMILIES, metavar="NAME",
+                    help="with --models families: only this family's row (repeatable), printed, models.md left as "
+                         f"it is (one of {', '.join(FAMILIES)}; BENCH_ROUNDS=1 for one round a peer)")
     args = ap.parse_args()
+    if args.family and args.models != "families":
+        ap.error("--family takes --models families")
     if args.bandwidth:
         print(f"{read_bandwidth():.3f}", flush=True)
     elif args.kvgen:
         print(json.dumps(kvgen_round(args.kvgen)), flush=True)
     else:
-        main(args.models)
+        main(args.models, args.family)

@@ -174,15 +174,16 @@ for shape in "${shaped[@]}"; do
     shaped_files "$shape" "shaped-$shape" "${qtypes[@]}"
     echo "$shape-shaped files in $(( $(date +%s) - t )) s"
 done
-# 5. the family files (FAMILIES="llama mistral qwen2 qwen3 gemma2 gemma3 phi3" by default; FAMILIES= skips
-#    them): each family at its real model's widths, layers reduced to ~1B where the real one is larger,
+# 5. the family files (FAMILIES="llama mistral qwen2 qwen3 gemma2 gemma3 phi3 mamba2" by default; FAMILIES= skips
+#    them; FAMILIES=mamba2 makes that one only): each family at its real model's widths, layers reduced to ~1B
+#    where the real one is larger (mamba2: Mamba-2 1.3B's widths, 24 of its 48 layers),
 #    SmolLM2's vocabulary (bench/make_shaped_model.py's FAMILY_SHAPES), random weights, made the same way
 #    as step 4's and quantized to Q4_K_M (~0.3-0.7 GB each). About 2 minutes a family on 2 cores.
 #    phi3's file is named without "phi3" or "phi-3": where a file's general.name has either, llama.cpp's
 #    vocabulary loader (llama-vocab.cpp) sets attributes on Phi-3's sentencepiece tokens "<s>", "</s>" and
 #    "<unk>", and fails on a vocabulary without them, as SmolLM2's ("error loading model vocabulary:
 #    unordered_map::at"); the converter would name the file after its folder, hf-family-phi3.
-families=(${FAMILIES-llama qwen3 qwen2 gemma3 phi3 mistral gemma2})
+families=(${FAMILIES-llama qwen3 qwen2 gemma3 phi3 mistral gemma2 mamba2})
 for family in "${families[@]}"; do
     out="$models/family-$family.Q4_K_M.gguf"
     [[ "$force" == 1 || ! -s "$out" ]] || continue

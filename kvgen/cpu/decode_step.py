@@ -1,6 +1,7 @@
 """A model's decode step as one compiled call: the Llama layer loop (RMS norm, RoPE, the KV write,
-paged attention, SiLU, residuals) with every op a loop, the matmuls being block_matmul's kernels
-over weight_blocks' codes, so a step costs the weights' bytes and little else.
+paged attention, SiLU, residuals; Qwen3's per-head q/k RMS norms where given) with every op a loop,
+the matmuls being block_matmul's kernels over weight_blocks' codes, so a step costs the weights'
+bytes and little else.
 
 The engine's fused_decode.py gathers a model's weights into the arrays `step` reads and calls it;
 this module knows nothing of the model beyond those arrays (every matrix a table's rows of parts,
@@ -44,6 +45,18 @@ def _rope(x, head, cos, sin):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def _head_norms(q, w, heads, kv_heads, head_dim, eps):  # pragma: no cover - compiled
+    """Qwen3's q/k norms, in place, before RoPE: each of a row's query heads in its qkv output (q)
+    RMS-normed with w[:head_dim], each key head with w[head_dim:] (w empty: none; model.py's
+    q_norm / k_norm, their weights already in the heads' interleaved order)."""
+    if w.shape[0] == 0:
+        return
+    for hd in range(heads + kv_heads):
+        at, wat = hd * head_dim, 0 if hd < heads else head_dim
+        _rms_norm(q[at:at + head_dim], w[wat:wat + head_dim], eps, q[at:at + head_dim])
+
+
+@njit(cache=True, nogil=True)
 def _rope_row(q, pos, heads, cos, sin):  # pragma: no cover - compiled
     """Rotate a row's first `heads` heads of its qkv output at position pos: the query heads then
     the key heads, adjacent in the fused output."""
@@ -63,9 +76,10 @@ PARALLEL_ROWS = 16
 def _rows(stage, lo, hi, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, heads, kv_heads, head_dim, gu,
           act):  # pragma: no cover - compiled
     """One stage for rows lo .. hi - 1, each row on its own (the same calls whichever thread or
-    step runs it): NORM x = norm(h) w; ADD_NORM h += add, then NORM; ROPE_WRITE rotates the row's
-    query and key heads in its qkv output (x) and writes its K/V into the plain cache; SILU
-    act = silu(gate) up of its gate_up output (gu)."""
+    step runs it): NORM x = norm(h) w; ADD_NORM h += add, then NORM; ROPE_WRITE normalises the
+    row's query and key heads in its qkv output (x) by w's halves (_head_norms; w empty: none),
+    rotates them and writes its K/V into the plain cache; SILU act = silu(gate) up of its gate_up
+    output (gu)."""
     if stage == SILU:
         for r in range(lo, hi):
             vector_exp.silu_mul(gu[r], act[r])
@@ -75,6 +89,7 @@ def _rows(stage, lo, hi, h, add, w, eps, x, positions, tables, kv, layer, cos, s
         for r in range(lo, hi):
             pos = positions[r]
             b, off, q = tables[r, pos // block], pos % block, x[r]
+            _head_norms(q, w, heads, kv_heads, head_dim, eps)
             _rope_row(q, pos, heads + kv_heads, cos, sin)
             for kh in range(kv_heads):
                 for i in range(head_dim):
@@ -178,7 +193,7 @@ def _linear(parts, weights, x, y, room, sums, spare):  # pragma: no cover - comp
 
 
 # A LoRA span (lora.fused_arrays): where one adapter module's A [rank, in] and its block of B, as
-# [width / LANES, rank, LANES] (lora_lanes.add_lowrank's order), lie in the adapter's flat float32
+# [width / LANES, rank, LANES] (lora_lanes.add_lowranks' order), lie in the adapter's flat float32
 # array, the rank (0 ends a linear's spans) and the output columns the block adds to
 LORA_A, LORA_B, LORA_RANK, LORA_COL, LORA_WIDTH = range(5)
 SPAN_FIELDS = 5
@@ -186,20 +201,11 @@ SPAN_FIELDS = 5
 
 @njit(cache=True, nogil=True)
 def _lora_span(data, span, x, y, rows, lo, hi):  # pragma: no cover - compiled
-    """y[row, col:col + width] += (x[row] A^T) B^T for the rows rows[lo:hi] of one adapter (lora_lanes.py's
-    sums): A is read once for all of them (each of its rows meets every x row while in L1), then B's block
-    in order, LANES columns at a time for every row (in L1 for the rows after the first). Inputs and
-    widths are whole vectors (FusedDecode.why_not)."""
-    r, n, w, col = span[LORA_RANK], x.shape[1], span[LORA_WIDTH], span[LORA_COL]
-    xf, yf, wide = x.reshape(-1), y.reshape(-1), y.shape[1]
-    t = np.empty((hi - lo) * r, np.float32)
-    for k in range(r):
-        for i in range(lo, hi):
-            t[(i - lo) * r + k] = lora_lanes.dot(data, span[LORA_A] + k * n, xf, rows[i] * n, n)
-    for j in range(0, w, lora_lanes.LANES):
-        for i in range(lo, hi):
-            lora_lanes.add_lowrank(yf, rows[i] * wide + col + j, t, (i - lo) * r, data, span[LORA_B] + j * r,
-                                   lora_lanes.LANES, r)
+    """y[row, col:col + width] += (x[row] A^T) B^T for the rows rows[lo:hi] of one adapter (lora_lanes.span:
+    A and B read once for all of them, each vector for several rows at once). Inputs and widths are
+    whole vectors (FusedDecode.why_not)."""
+    lora_lanes.span(data, span[LORA_A], span[LORA_B], span[LORA_RANK], span[LORA_COL], span[LORA_WIDTH], x, y,
+                    rows, lo, hi)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -218,13 +224,14 @@ def _lora(lora, lora_table, layer, linear, groups, rows, x, y):  # pragma: no co
 
 
 @njit(cache=True, nogil=True)
-def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weights, table, head, qkv_bias, widths,
-         cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features, lora, lora_table, lora_rows,
-         lora_groups):  # pragma: no cover
+def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weights, table, head, qkv_bias,
+         qk_norm, widths, cos, sin, eps, heads, kv_heads, head_dim, inter, need, logits, features, lora, lora_table,
+         lora_rows, lora_groups):  # pragma: no cover
     """h [rows, hidden]: the rows' token embeddings (the caller looks them up: a GGUF's table stays
     quantized), the residual stream from then on (written over). table [layers, 4, parts, FIELDS]:
     each layer's qkv, o, gate_up and down as rows of parts (_linear); head [parts, FIELDS] the same
-    for the lm head; qkv_bias [layers, qkv columns] added to qkv's output ([layers, 0]: no bias); widths: the
+    for the lm head; qkv_bias [layers, qkv columns] added to qkv's output ([layers, 0]: no bias); qk_norm
+    [layers, 2 * head_dim] each layer's query then key head norm weights (Qwen3; [layers, 0]: none); widths: the
     four outputs' columns, then the widest part that goes through the
     spare buffer (0: none does). LoRA adapters (_lora; lora_groups [0, 3]: none): lora a typed list of
     the step's adapters' flat arrays, lora_table [adapters, layers, 4, spans, SPAN_FIELDS] their spans,
@@ -257,8 +264,8 @@ def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weight
                 qkv_out[r, i] += qkv_bias[layer, i]
         if adapted:  # before RoPE and the KV write, after the bias (Model.forward's (W x + b) + delta)
             _lora(lora, lora_table, layer, 0, lora_groups, lora_rows, x, qkv_out)
-        if plain:
-            _stage(ROPE_WRITE, h, d_out, ln1[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
+        if plain:  # (ROPE_WRITE's w: the layer's q/k norm weights)
+            _stage(ROPE_WRITE, h, d_out, qk_norm[layer], eps, qkv_out, positions, tables, kv, layer, cos, sin, heads,
                    kv_heads, head_dim, gu, act)
             if kt.shape[0]:
                 key_lanes.transpose_blocks(kv, layer, blocks, kt)
@@ -266,6 +273,7 @@ def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weight
             for r in range(rows):
                 pos = positions[r]
                 b, off, q = tables[r, pos // block], pos % block, qkv_out[r]
+                _head_norms(q, qk_norm[layer], heads, kv_heads, head_dim, eps)
                 _rope_row(q, pos, heads + kv_heads, cos, sin)
                 qk = kvq[kv_io.QK]
                 if qk.shape[0]:  # key channels equalised: queries times the scale, keys by it

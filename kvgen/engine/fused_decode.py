@@ -39,9 +39,18 @@ def _longest_run(rows) -> int:
 
 
 FAMILIES = ("qkv", "o", "gate_up", "down")  # a layer's linears, in the step's table order
-# The families whose layers the step computes (model.py's Llama loop: no extra norms, softcaps,
-# q/k norms): another family's model runs Model.forward
-ARCHITECTURES = ("llama", "mistral", "qwen2")
+# The families whose layers the step computes (model.py's Llama loop; qwen2's q|k|v biases, qwen3's q/k head
+# norms; phi3's q|k|v and gate|up are one matrix each in the file, as the step's linears are for every
+# family): another family's model runs Model.forward, for the reason NOT_FUSED gives
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+NOT_FUSED = {
+    "gemma2": "Gemma 2's layers are not the step's: norms after attention and after the MLP, (1 + w) norm weights, "
+              "scaled embeddings, GELU-tanh, windowed layers between global ones, attention scores and logits "
+              "soft-capped",
+    "gemma3": "Gemma 3's layers are not the step's: norms after attention and after the MLP, (1 + w) norm weights, "
+              "scaled embeddings, GELU-tanh, windowed layers with their own RoPE base between global ones, a final "
+              "logit cap",
+}
 
 
 def _parts(lin) -> list:
@@ -148,7 +157,8 @@ class FusedDecode:
         if model.weight_dtype != "gguf":
             return f"weights {model.weight_dtype}: the step multiplies GGUF blocks only (WEIGHT_DTYPE gguf or auto)"
         if cfg.architecture not in ARCHITECTURES:
-            return f"architecture {cfg.architecture}: the step computes {', '.join(ARCHITECTURES)} layers only"
+            what = NOT_FUSED.get(cfg.architecture, "not a family whose layers the step computes")
+            return f"architecture {cfg.architecture}: {what} (the step computes {', '.join(ARCHITECTURES)} layers)"
         for i, layer in enumerate(model.layers):
             for f in FAMILIES:
                 if (why := _why_not_linear(getattr(layer, f), f"layer {i}'s {f}", bias=f == "qkv")) is not None:
@@ -181,6 +191,10 @@ class FusedDecode:
         self.qkv_bias = (np.stack([np.zeros(layer.qkv.out_features, np.float32) if b is None else b.float().numpy()
                                    for layer, b in zip(layers, biases, strict=True)])
                          if any(b is not None for b in biases) else np.zeros((len(layers), 0), np.float32))
+        # q and k head norm weights (Qwen3), normalising each head before RoPE as Model.forward does; [layers, 0]: none
+        self.qk_norm = (np.stack([np.concatenate((layer.q_norm.w.float().numpy(), layer.k_norm.w.float().numpy()))
+                                  for layer in layers])
+                        if layers[0].q_norm is not None else np.zeros((len(layers), 0), np.float32))
         head = model.lm_head
         weights = _Weights([*linears, head])
         most = max(len(_parts(lin)) for lin in [*linears, head])
@@ -219,8 +233,10 @@ class FusedDecode:
         kv = torch.zeros((1, cfg.num_layers, 2, 16, cfg.num_kv_heads, cfg.head_dim))
         decode_step.warm_up(cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size,
                             cfg.intermediate_size, self.norm, cfg.rms_norm_eps, self.cos, self.sin)
+        # one call: a step's argument types are the same whatever its rows (one compiled step), so a second
+        # (it was a 1-row step after this one) compiled nothing and cost a step over the whole model (1.2 s of
+        # the 1.7B's start on a loaded 2-core machine)
         self([(0, 0, [0]), (0, 1, [0])], {"kv": kv})
-        self([(0, 0, [0])], {"kv": kv})
 
     def _lora_args(self, adapters: list | None) -> tuple:
         """step's LoRA arguments for each row's adapter (lora.Adapter; None: the base model): the
@@ -289,7 +305,8 @@ class FusedDecode:
             blocks, slot = paged_attention.blocks_read(tables, positions, kv.shape[3], kv.shape[0])
             kt = decode_step.aligned((len(blocks), cfg.num_kv_heads, cfg.head_dim, kv.shape[3]))
         decode_step.step(self.embed.rows(tokens), positions, tables, kv, kvq, blocks, slot, kt, self.ln1, self.ln2,
-              self.norm, self.weights, self.table, self.head, self.qkv_bias, self.widths, self.cos, self.sin,
-              np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-              need, logits, self._no_features if features is None else features, *self._lora_args(adapters))
+              self.norm, self.weights, self.table, self.head, self.qkv_bias, self.qk_norm, self.widths, self.cos,
+              self.sin, np.float32(cfg.rms_norm_eps), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+              cfg.intermediate_size, need, logits, self._no_features if features is None else features,
+              *self._lora_args(adapters))
         return torch.from_numpy(logits[:, :self.vocab])

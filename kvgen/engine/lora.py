@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvgen.engine.model import Model, interleave
+from kvgen.engine.model_config import UnsupportedModel
 
 # PEFT's module names -> (the model's fused linear, the input it reads)
 SPLIT_TARGETS = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "o_proj": "o",
@@ -45,6 +46,21 @@ class AdapterError(ValueError):
 
     def __init__(self, name: str, path: str, what: str):
         super().__init__(f"LoRA adapter {name!r} ({path}): {what}")
+
+
+class AdaptersUnsupported(UnsupportedModel):
+    """A load on a base model whose family takes no adapters (a Mamba-2: model_mamba2.Mamba2.adapters_why_not).
+    An UnsupportedModel, so LORA_ADAPTERS naming one stops the server at start in one line (server.serve);
+    at run time FAILED_PRECONDITION / HTTP 400 (service/lora_admin.py), the server serving on."""
+
+
+def check_takes_adapters(model, name: str, path: str) -> None:
+    """AdaptersUnsupported, naming the model's family and why, where the model says it takes none (its
+    adapters_why_not; Model's families all take them)."""
+    why = getattr(model, "adapters_why_not", None)
+    if why:
+        raise AdaptersUnsupported(f"LoRA adapter {name[:128]!r} ({path}): the base model is a "
+                                  f"{model.cfg.architecture} model, which takes no LoRA adapters: {why}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +124,7 @@ class Adapter:
 def load_adapter(name: str, path: str, model: Model, max_rank: int) -> Adapter:
     """Read a PEFT LoRA folder or a llama.cpp GGUF LoRA file and check it against the model;
     AdapterError names what is wrong. Reads files only: callers run it off their event loop."""
+    check_takes_adapters(model, name, path)
     where = Path(path)
 
     def bad(what: str) -> AdapterError:
@@ -377,7 +394,10 @@ class AdapterStore:
             name, eq, path = item.partition("=")
             if not eq or not name.strip() or not path.strip():
                 raise ValueError(f"LORA_ADAPTERS entry {item!r}: expected name=folder or name=file.gguf")
-            store.load(name.strip(), path.strip())
+            try:
+                store.load(name.strip(), path.strip())
+            except AdaptersUnsupported as e:  # the setting named, for the start's one line
+                raise AdaptersUnsupported(f"LORA_ADAPTERS: {e}") from None
         return store
 
     def load(self, name: str, path: str) -> Adapter:
@@ -393,7 +413,9 @@ class AdapterStore:
         return adapter
 
     def reserve(self, name: str, path: str = "") -> None:
-        """The first half of a load: hold the name and a MAX_LORAS slot while the files are read."""
+        """The first half of a load: hold the name and a MAX_LORAS slot while the files are read (nothing held
+        where the model takes no adapters: AdaptersUnsupported)."""
+        check_takes_adapters(self.model, name, path)
         with self._lock:
             if name in self.adapters or name in self._busy:
                 raise AdapterExists(f"LoRA adapter {name[:128]!r}: an adapter of this name is loaded already"

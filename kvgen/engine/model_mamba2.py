@@ -77,6 +77,9 @@ class Mamba2:
     recurrent = True  # the engine keeps a state per sequence (kv/states.py) and runs state_runner.py
     windows: tuple[int, ...] = ()  # no sliding windows (ModelRunner and GetModelInfo ask)
     shift_keys = None  # no keys to re-rotate: a context shift recomputes
+    # why a LoRA adapter is refused on this model (lora.check_takes_adapters: at start and at run time)
+    adapters_why_not = ("a state-space model has no attention nor MLP projections (q/k/v/o, gate/up/down), the "
+                        "modules kvgen's LoRA adapters adapt, and kvgen runs no adapter on Mamba-2's in_proj")
 
     def __init__(self, cfg: Mamba2Config, weights: Mapping[str, torch.Tensor], weight_dtype: str = "fp32",
                  device: str | torch.device = "cpu", blocks: Mapping | None = None, embedding_rows=None):

@@ -14,7 +14,7 @@ import logging
 import torch
 
 from kvgen.engine.kv.states import StateStore
-from kvgen.engine.model_runner import Batch, _extra_rows
+from kvgen.engine.model_runner import Batch, _adapter, _extra_rows
 
 log = logging.getLogger("kvgen.engine")
 
@@ -42,6 +42,8 @@ class StateRunner:
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
         if any(seq.draft for seq, _, _ in wanted):
             raise RuntimeError("a drafted row reached a state model: a state cannot take back rejected drafts")
+        if any(_adapter(seq) is not None for seq, _, _ in wanted):  # the adapter store refuses loads (lora.py)
+            raise RuntimeError("a LoRA adapter's row reached a state model, which runs no adapter")
         last: list[torch.Tensor | None] = [None] * len(wanted)
         extra: dict[int, torch.Tensor] = {}
         decoding = [i for i, (_, n, m) in enumerate(wanted) if n == 1 and not m]

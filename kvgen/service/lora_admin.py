@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvgen.engine.generator import Generator
-from kvgen.engine.lora import Adapter, AdapterError, AdapterExists, AdapterInUse, TooManyAdapters
+from kvgen.engine.lora import Adapter, AdapterError, AdapterExists, AdapterInUse, AdaptersUnsupported, TooManyAdapters
 from kvgen.errors import InvalidRequest, NotFound
 from kvgen.service.auth import AuthInterceptor
 
@@ -74,8 +74,10 @@ class Outcome:
     message: str = ""
 
 
-# exception -> (gRPC status, HTTP status: vLLM answers 400 for a bad or duplicate load, 404 for an unknown unload)
-_STATUSES = ((InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, 400),
+# exception -> (gRPC status, HTTP status: vLLM answers 400 for a bad or duplicate load, 404 for an unknown unload);
+# a base model that takes no adapters (a Mamba-2) is the server's state, not the request's: FAILED_PRECONDITION
+_STATUSES = ((AdaptersUnsupported, grpc.StatusCode.FAILED_PRECONDITION, 400),
+             (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT, 400),
              (AdapterError, grpc.StatusCode.INVALID_ARGUMENT, 400),
              (AdapterExists, grpc.StatusCode.ALREADY_EXISTS, 400),
              (TooManyAdapters, grpc.StatusCode.RESOURCE_EXHAUSTED, 429),

@@ -52,12 +52,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 async for ev in events:
                     yield ev
             return
-        model = self.gen.cfg.name if self.gen else ""
         try:
             async with aclosing(self._request_events(req, request_id, key, span, stream)) as events:
                 async for ev in events:
-                    if ev.finish_reason is not None:
-                        tracing.end_request(span, ev, model)
                     yield ev
         except asyncio.CancelledError as e:
             left = context.time_remaining() if context else None
@@ -70,7 +67,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def _request_events(self, req, request_id: str, key: str, span=None, stream=False
                               ) -> AsyncIterator[Event]:
+        """The request's events; span (a recording one): given the GenAI attributes, the response
+        model being the adapter that answered (vLLM's convention, as the OpenAI API's answer names
+        it: a session's adapter for its turns), else the base model."""
         gen = self._ready()
+        adapter = req.adapter
         params = convert.sampling_of(req)
         if span is not None:
             tracing.start_request(span, req, params, gen.cfg.name, request_id, stream, req.session_id)
@@ -83,6 +84,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             if req.adapter and req.adapter != getattr(session.adapter, "name", ""):
                 raise InvalidRequest([("adapter", "a session keeps the adapter it was created with "
                                                   "(CreateSessionRequest.adapter)")])
+            adapter = getattr(session.adapter, "name", "")
             requests = [await session.request(prompt, params, request_id, kv_compress=convert.kv_compress_of(req))]
         else:
             requests = await gen.requests(prompt, params, request_id, cache_salt=req.cache_salt,
@@ -94,6 +96,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                 async for ev in events:
                     if ev.finish_reason is not None and self.inflight.was_aborted(requests[ev.index]):
                         raise Cancelled(f"request {clip(request_id)!r} was ended by an Abort call")
+                    if span is not None and ev.finish_reason is not None:
+                        tracing.end_request(span, ev, adapter or gen.cfg.name)
                     yield ev
 
     def _session(self, gen: Generator, session_id: str, key: str) -> Session:

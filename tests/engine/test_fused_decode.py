@@ -164,9 +164,10 @@ def test_why_not_names_the_first_reason_a_model_does_not_take_the_step(q4_model)
     fmt = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     assert FusedDecode.why_not(m, fmt) is None
     other = copy.copy(m)
-    for arch in ("qwen3", "gemma2", "phi3"):
+    for arch, what in (("gemma2", "soft-capped"), ("gemma3", "final logit cap"), ("falcon", "not a family")):
         other.cfg = dataclasses.replace(cfg, architecture=arch)
-        assert not FusedDecode.supports(other, fmt) and f"architecture {arch}" in FusedDecode.why_not(other, fmt)
+        why = FusedDecode.why_not(other, fmt)
+        assert not FusedDecode.supports(other, fmt) and f"architecture {arch}" in why and what in why, why
     other.cfg = cfg
     other.weight_dtype = "fp32"
     assert "weights fp32" in FusedDecode.why_not(other, fmt)

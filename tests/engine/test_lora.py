@@ -21,6 +21,7 @@ from kvgen.engine.lora import AdapterError, AdapterExists, AdapterInUse, Adapter
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.sampling import SamplingParams
 from kvgen.errors import InvalidRequest, NotFound
+from tests.engine.test_mamba2 import files  # noqa: F401  (a fixture: the tiny Mamba-2)
 from tests.tiny import (
     converter_python,
     llama_cpp_sources,
@@ -576,3 +577,64 @@ def test_a_reloaded_adapter_never_meets_its_old_prefix_cache_blocks(base, bare):
         assert again.token_ids == _run(fresh, [(ids, "x")], max_new_tokens=STEPS)[0].token_ids
     finally:
         fresh.close()
+
+
+# ---- a base model whose family takes no adapters: a Mamba-2 (tests/engine/test_mamba2.py's tiny model) ----
+
+
+@pytest.fixture(scope="module")
+def mamba2_adapter(files, tmp_path_factory):  # noqa: F811
+    """A PEFT LoRA of test_mamba2.py's tiny Mamba-2 over its in_proj (the module PEFT lets a Mamba adapt), B
+    non-zero: what a user who trained one with PEFT would hand the server."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    _hf_logging_quiet()
+    hf = AutoModelForCausalLM.from_pretrained(str(files[0]), dtype=torch.float32)
+    peft_model = get_peft_model(hf, LoraConfig(r=4, lora_alpha=8, target_modules=["in_proj"], lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)
+    out = tmp_path_factory.mktemp("mamba2-lora")
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+def test_a_mamba2_base_refuses_every_adapter_load_naming_its_family_and_serves_on(files, mamba2_adapter):  # noqa: F811
+    """LORA_ADAPTERS at start is an UnsupportedModel (the server's one line and exit 2) that names the setting,
+    the adapter and the family, raised before the Generator makes anything (no thread started); a load at
+    run time (Generator.load_adapter, as LoadAdapter and /v1/load_lora_adapter call it) is refused the same
+    way with no name or MAX_LORAS slot left held, and the engine's greedy tokens are transformers' after it."""
+    import threading
+
+    from kvgen.engine.lora import AdaptersUnsupported
+    from kvgen.engine.model_config import UnsupportedModel
+    from tests.engine.test_mamba2 import PROMPTS as MAMBA_PROMPTS
+    from tests.engine.test_mamba2 import STEPS as MAMBA_STEPS
+    from tests.engine.test_mamba2 import expected
+
+    folder, _, hf = files
+    model, tok = load_model(str(folder), "fp32")
+    said = r"LoRA adapter 'a' \(.*\): the base model is a mamba2 model, which takes no LoRA adapters: a state-space"
+    threads = set(threading.enumerate())
+    with pytest.raises(AdaptersUnsupported, match="^LORA_ADAPTERS: " + said) as refused:
+        Generator(model, tok, EngineOptions(lora_adapters=f"a={mamba2_adapter}"))
+    assert isinstance(refused.value, UnsupportedModel)
+    assert set(threading.enumerate()) == threads
+    with pytest.raises(AdaptersUnsupported, match="^" + said):
+        load_adapter("a", str(mamba2_adapter), model, 64)
+    gen = Generator(model, tok, EngineOptions(max_loras=1))
+    try:
+        with pytest.raises(AdaptersUnsupported, match="^" + said):
+            gen.bridge.run(gen.load_adapter("a", str(mamba2_adapter)))
+        with pytest.raises(AdaptersUnsupported, match="mamba2"):  # a second try: its one slot was not kept
+            gen.bridge.run(gen.load_adapter("a", str(mamba2_adapter)))
+        assert gen.adapters.names() == [] and not gen.adapters._busy
+        with pytest.raises(NotFound, match="'a' is not loaded"):
+            gen.adapter("a")
+        ids = tok.encode(MAMBA_PROMPTS[0])
+        out = gen.generate(ids, SamplingParams(temperature=0, max_new_tokens=MAMBA_STEPS, ignore_eos=True))
+        assert out.token_ids == expected(hf, ids)
+    finally:
+        gen.close()

@@ -19,7 +19,8 @@ from kvgen.engine.options import EngineOptions
 from kvgen.v1 import generate_pb2 as pb
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 from tests.conftest import ServerThread, free_port
-from tests.engine.test_lora import ADAPTERS, PROMPTS, STEPS, _run, base  # noqa: F401  (base: a fixture)
+from tests.engine.test_lora import ADAPTERS, PROMPTS, STEPS, _run, base, mamba2_adapter  # noqa: F401  (fixtures)
+from tests.engine.test_mamba2 import files  # noqa: F401  (a fixture: the tiny Mamba-2)
 
 
 @pytest.fixture(scope="module")
@@ -272,3 +273,71 @@ async def _unload_async(target: str, name: str) -> None:
 
     async with AsyncClient(target, api_key=ADMIN) as admin:
         await admin.unload_adapter(name)
+
+
+# ---- a Mamba-2 base (tests/engine/test_mamba2.py's tiny model): every load refused, naming the family ----
+
+
+@pytest.fixture(scope="module")
+def mamba2_server(files):  # noqa: F811
+    """A keyed server over the tiny Mamba-2, room for one adapter."""
+    gen = Generator(*load_model(str(files[0]), "fp32"), EngineOptions(max_loras=1))
+    s = ServerThread(gen, http_port=free_port(), api_key=f"{TENANT},{ADMIN}", admin_api_keys=ADMIN)
+    yield s
+    s.stop()
+
+
+def test_loading_an_adapter_on_a_mamba2_server_fails_its_precondition_and_it_serves_on(files, mamba2_adapter,  # noqa: F811
+                                                                                        mamba2_server):
+    """LoadAdapter: FAILED_PRECONDITION, vLLM's POST /v1/load_lora_adapter: 400 (code failed_precondition), each
+    naming the adapter and the family, again on a second try (no name or MAX_LORAS slot kept); GetLoad lists no
+    adapter, and a tenant's greedy Generate then equals transformers'."""
+    from tests.engine.test_mamba2 import PROMPTS as MAMBA_PROMPTS
+    from tests.engine.test_mamba2 import STEPS as MAMBA_STEPS
+    from tests.engine.test_mamba2 import expected
+
+    said = f"LoRA adapter 'a' ({mamba2_adapter}): the base model is a mamba2 model, which takes no LoRA adapters"
+    with mamba2_server.channel() as ch:
+        stub = pb_grpc.GeneratorStub(ch)
+        for _ in range(2):
+            code, details = _code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="a", path=str(mamba2_adapter)),
+                                                           metadata=_meta(ADMIN)))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(said), details
+        assert _code(lambda: stub.LoadAdapter(pb.LoadAdapterRequest(name="a", path=str(mamba2_adapter)),
+                                              metadata=_meta(TENANT)))[0] == grpc.StatusCode.PERMISSION_DENIED
+        for _ in range(2):
+            url = f"http://127.0.0.1:{mamba2_server.server.http.port}/v1/load_lora_adapter"
+            req = urllib.request.Request(url, data=json.dumps({"lora_name": "a", "lora_path": str(mamba2_adapter)})
+                                         .encode(), headers={"Content-Type": "application/json",
+                                                             "Authorization": f"Bearer {ADMIN}"})
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=60)
+            error = json.loads(e.value.read())["error"]
+            assert e.value.code == 400 and error["code"] == "failed_precondition", error
+            assert error["message"].startswith(said), error
+        assert list(stub.GetLoad(pb.GetLoadRequest(), metadata=_meta(TENANT)).adapters) == []
+        ids = mamba2_server.gen.tokenize(MAMBA_PROMPTS[0])
+        reply = stub.Generate(pb.GenerateRequest(prompt=MAMBA_PROMPTS[0], sampling=pb.SamplingParams(
+            temperature=0, max_new_tokens=MAMBA_STEPS, ignore_eos=True)), metadata=_meta(TENANT))
+    assert list(reply.token_ids) == expected(files[2], ids)
+    assert mamba2_server.gen.adapters.names() == [] and not mamba2_server.gen.adapters._busy
+
+
+def test_lora_adapters_on_a_mamba2_model_stop_the_server_at_start_in_one_line(files, mamba2_adapter):  # noqa: F811
+    """The server process with MODEL the tiny Mamba-2 and LORA_ADAPTERS naming an adapter: one ERROR line naming
+    the setting, the adapter and the family, exit status 2, no traceback (as tests/service/test_unsupported_model.py
+    for a family kvgen does not run)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "MODEL": str(files[0]), "LORA_ADAPTERS": f"a={mamba2_adapter}", "PORT": str(free_port()),
+           "HTTP_PORT": str(free_port()), "METRICS_PORT": str(free_port())}
+    out = subprocess.run([sys.executable, "-m", "kvgen.service.server"], cwd=Path(__file__).resolve().parents[2],
+                         env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert out.returncode == 2, out.stdout
+    errors = [line for line in out.stdout.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and out.stdout.rstrip().endswith(errors[0]), out.stdout
+    assert "not starting: LORA_ADAPTERS: LoRA adapter 'a'" in errors[0] and "a mamba2 model" in errors[0], errors[0]
+    assert "Traceback" not in out.stdout and "Event loop is closed" not in out.stdout, out.stdout

@@ -1,8 +1,10 @@
 """A LoRA adapter on a request's spans and metrics, over gRPC and over the OpenAI HTTP API (issue #44:
 "adapter on spans and metrics"): the request span and its kvgen.queue / kvgen.prefill / kvgen.decode
 spans carry kvgen.lora_adapter (a session's turns too, named by the session, not the call; a refused
-adapter's span names what was asked for), a base-model request's spans carry none, and
-kvgen_lora_requests_finished counts each transport's requests by adapter.
+adapter's span names what was asked for, over either transport), a base-model request's spans carry
+none, gen_ai.response.model is the adapter that answered (vLLM's convention: the adapter is the model)
+and the base model's name without one, and kvgen_lora_requests_finished counts each transport's
+requests by adapter.
 
 A tiny-model server (tests/service/conftest.py's, with its random PEFT adapter) traced into an
 in-memory exporter."""
@@ -14,6 +16,7 @@ import time
 import urllib.request
 
 import grpc
+import openai
 import pytest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -89,15 +92,36 @@ def test_grpc_generate_and_batch_entries_name_their_adapter(traced):
         stub.Generate(_request(), metadata=traceparent("a2" * 16))
         stub.BatchGenerate(pb.BatchGenerateRequest(requests=[_request(LORA_ADAPTER), _request()]),
                            metadata=traceparent("a3" * 16))
+    base = traced.gen.cfg.name
     (single,) = _request_tree(traced, "a1" * 16, 1).items()
     assert single[0].kind == SpanKind.SERVER
     _assert_named(dict([single]), LORA_ADAPTER)
-    _assert_named(_request_tree(traced, "a2" * 16, 1), None)  # the base model's: no adapter named
+    _assert_answered_by(single[0], LORA_ADAPTER, base)
+    plain = _request_tree(traced, "a2" * 16, 1)
+    _assert_named(plain, None)  # the base model's: no adapter named
+    _assert_answered_by(next(iter(plain)), base, base)
     entries = _request_tree(traced, "a3" * 16, 2)  # one INTERNAL span per entry
     assert all(s.kind == SpanKind.INTERNAL for s in entries)
     _assert_named({s: p for s, p in entries.items() if s.attributes.get(ATTR)}, LORA_ADAPTER)
     assert len([s for s in entries if s.attributes.get(ATTR)]) == 1
+    for s in entries:  # each entry answered by its own model
+        _assert_answered_by(s, LORA_ADAPTER if s.attributes.get(ATTR) else base, base)
     assert _finished(traced, LORA_ADAPTER, before + 2) == before + 2
+
+
+def _assert_answered_by(span, model: str, base: str) -> None:
+    """gen_ai.response.model is the model that answered (an adapter's name: vLLM's convention), the span
+    named for the operation and the model asked for (gRPC's request names the base model and the adapter)."""
+    assert span.attributes["gen_ai.response.model"] == model, dict(span.attributes)
+    assert span.attributes["gen_ai.request.model"] == base
+
+
+def test_a_grpc_stream_with_an_adapter_is_answered_by_the_adapter(traced):
+    with traced.channel() as ch:
+        list(pb_grpc.GeneratorStub(ch).GenerateStream(_request(LORA_ADAPTER), metadata=traceparent("a4" * 16)))
+    (span, phases), = _request_tree(traced, "a4" * 16, 1).items()
+    _assert_named({span: phases}, LORA_ADAPTER)
+    _assert_answered_by(span, LORA_ADAPTER, traced.gen.cfg.name)
 
 
 def test_a_session_turn_names_the_sessions_adapter(traced):
@@ -108,7 +132,10 @@ def test_a_session_turn_names_the_sessions_adapter(traced):
             stub.Generate(_request(session_id=sid), metadata=traceparent("b1" * 16))
         finally:
             stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
-    _assert_named(_request_tree(traced, "b1" * 16, 1), LORA_ADAPTER)
+    tree = _request_tree(traced, "b1" * 16, 1)
+    _assert_named(tree, LORA_ADAPTER)
+    (span,) = tree
+    _assert_answered_by(span, LORA_ADAPTER, traced.gen.cfg.name)  # the session's adapter answered
 
 
 def test_a_refused_adapter_is_named_on_the_refused_span(traced):
@@ -136,3 +163,35 @@ def test_openai_http_calls_name_their_adapter(traced, stream):
     assert server_span.attributes["gen_ai.response.model"] == LORA_ADAPTER
     assert server_span.attributes["gen_ai.request.model"] == traced.gen.cfg.name
     assert _finished(traced, LORA_ADAPTER, before + 1) == before + 1
+
+
+def test_an_unknown_adapter_over_http_is_named_on_the_refused_span(traced):
+    """404 naming it, and the HTTP server span (the only one: nothing reached the engine) names the
+    adapter asked for, as gRPC's refused span does."""
+    with sdk(traced) as c, pytest.raises(openai.NotFoundError) as e:
+        c.completions.create(model="nope", prompt="hi", max_tokens=1,
+                             extra_headers={"traceparent": f"00-{'e1' * 16}-00f067aa0ba902b7-01"})
+    assert "'nope'" in str(e.value) and e.value.body["code"] == "model_not_found"
+    (span,) = spans_of(traced.memory, "e1" * 16, lambda s: len(s) == 1)
+    assert span.kind == SpanKind.SERVER and span.attributes["http.route"] == "/v1/completions"
+    assert span.attributes[ATTR] == "nope" and span.attributes["http.response.status_code"] == 404
+    assert "gen_ai.response.model" not in span.attributes  # nothing answered
+
+
+def test_an_http_session_turn_is_answered_by_the_sessions_adapter(traced):
+    """A turn naming the base model ("kvgen") in a session opened with the adapter runs with the adapter:
+    the answer's `model`, the span's response model and every span's adapter say so."""
+    with sdk(traced) as c:
+        sid = c.post("/sessions", body={"model": LORA_ADAPTER}, cast_to=object)["session_id"]
+        try:
+            r = c.completions.create(model="kvgen", prompt="hi", max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True},
+                                     extra_headers={"x-session-id": sid,
+                                                    "traceparent": f"00-{'e2' * 16}-00f067aa0ba902b7-01"})
+        finally:
+            c.delete(f"/sessions/{sid}", cast_to=object)
+    assert r.model == LORA_ADAPTER
+    (span, phases), = _request_tree(traced, "e2" * 16, 1).items()
+    _assert_named({span: phases}, LORA_ADAPTER)
+    assert span.attributes["gen_ai.response.model"] == LORA_ADAPTER
+    assert span.attributes["gen_ai.conversation.id"] == sid

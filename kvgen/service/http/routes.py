@@ -70,20 +70,24 @@ class OpenAIRoutes:
         gen = self.ready()
         call = read(await read_json(request), self.settings)
         adapter = "" if call.model in (gen.cfg.name, MODEL_ALIAS) else call.model  # vLLM's: a LoRA adapter's name
+        for req in call.requests:
+            req.adapter = adapter
+        request_id = uuid.uuid4().hex
+        span = trace.get_current_span()
+        # before the adapter is looked up, as over gRPC: a refusal's span names the adapter asked for
+        tracing.start_request(span, call.requests[0], fanout.params_of(call), gen.cfg.name, request_id, call.stream)
         if adapter and gen.adapters.get(adapter) is None:
             raise HttpError(404, f"model {call.model!r} is not served here; GET /v1/models lists {gen.cfg.name!r} "
                                  f"(or say {MODEL_ALIAS!r}) and the LoRA adapters loaded", code="model_not_found")
-        for req in call.requests:
-            req.adapter = adapter
         session = self.sessions.turn_of(request, gen)
         if session is not None and adapter and adapter != getattr(session.adapter, "name", ""):
             raise InvalidRequest([("model", "a session keeps the adapter it was opened with")])
         if session is not None and (call.n != 1 or len(call.requests) != 1):
             raise InvalidRequest([("n" if call.n != 1 else "prompt", "a session turn is one prompt with one choice")])
-        request_id = uuid.uuid4().hex
-        span = trace.get_current_span()
-        tracing.start_request(span, call.requests[0], fanout.params_of(call), gen.cfg.name, request_id, call.stream,
-                              session.session_id if session else "")
+        if session is not None:
+            span.set_attribute("gen_ai.conversation.id", session.session_id)
+            if session.adapter is not None:  # a turn runs with its session's adapter (the model that answers)
+                adapter = session.adapter.name
         try:
             if session is not None:
                 choices = await fanout.submit_turn(session, call, request_id, self.settings)
