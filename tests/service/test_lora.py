@@ -140,11 +140,16 @@ def test_vllm_lora_requests_info_shows_the_running_adapters(server, expected):
 TENANT, ADMIN = "tenant-key", "admin-key"
 
 
+def _keyed_server(model: str, max_loras: int) -> ServerThread:
+    """A server over `model` with API keys (one of them an admin's), no adapter loaded at start."""
+    gen = Generator(*load_model(model, "fp32"), EngineOptions(max_loras=max_loras))
+    return ServerThread(gen, http_port=free_port(), api_key=f"{TENANT},{ADMIN}", admin_api_keys=ADMIN)
+
+
 @pytest.fixture(scope="module")
 def keyed(base):  # noqa: F811
-    """A server with API keys (one of them an admin's), no adapter loaded at start, room for two."""
-    gen = Generator(*load_model(str(base[0]), "fp32"), EngineOptions(max_loras=2))
-    s = ServerThread(gen, http_port=free_port(), api_key=f"{TENANT},{ADMIN}", admin_api_keys=ADMIN)
+    """A keyed server, room for two adapters."""
+    s = _keyed_server(str(base[0]), 2)
     yield s
     s.stop()
 
@@ -281,8 +286,7 @@ async def _unload_async(target: str, name: str) -> None:
 @pytest.fixture(scope="module")
 def mamba2_server(files):  # noqa: F811
     """A keyed server over the tiny Mamba-2, room for one adapter."""
-    gen = Generator(*load_model(str(files[0]), "fp32"), EngineOptions(max_loras=1))
-    s = ServerThread(gen, http_port=free_port(), api_key=f"{TENANT},{ADMIN}", admin_api_keys=ADMIN)
+    s = _keyed_server(str(files[0]), 1)
     yield s
     s.stop()
 
