@@ -13,6 +13,8 @@ import os
 import pathlib
 import sys
 
+import pytest
+
 from tests.gpu.helpers import NVCC, ROOT, libnvrtc, run
 
 
@@ -49,5 +51,6 @@ def test_numba_helpers_bit_exact():
     _check("bit_exact", {"NUMBA_ENABLE_CUDASIM": "1"})
 
 
+@pytest.mark.slow  # 40 s of simulated CUDA: `make test-slow` (CI's time); the helpers above run in `make test`
 def test_numba_pack_kernels_in_simulator():
     _check("simulator", {"NUMBA_ENABLE_CUDASIM": "1"})
