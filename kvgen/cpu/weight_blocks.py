@@ -21,8 +21,6 @@ of RSS instead of 1,586).
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -230,44 +228,6 @@ AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None)}
 # a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
 PAIRS = {"q4": 8, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
 INT8_KINDS = ("q8", "q8h", "q8hm")
-_SPLIT_FROM = 1 << 22  # bytes of a weight from which the loops run on all the cores, a slice of rows each
-
-
-def _cores(most: int) -> int:
-    return max(1, min(len(os.sched_getaffinity(0)), 8, most))
-
-
-def _each_thread(fn, calls: list) -> None:
-    """fn(*args) for each args of calls, at once: the first in this thread, each other on a thread of
-    its own, started and joined here (fn releases the GIL). They open no OpenMP region (the loops are
-    plain compiled code), so no thread pool of torch's or Numba's outlives them (threads.py)."""
-    errors: list[BaseException] = []
-
-    def run(args):
-        try:
-            fn(*args)
-        except BaseException as e:  # raised again in the caller
-            errors.append(e)
-
-    threads = [threading.Thread(target=run, args=(args,), name="kvgen-repack") for args in calls[1:]]
-    for t in threads:
-        t.start()
-    run(calls[0])
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-
-
-def _convert(fn, args: tuple, rows: np.ndarray, first: int, out: np.ndarray, after: tuple = ()) -> None:
-    """fn(*args, rows, first, out, *after): one of the loops above over the rows `rows` into out's rows
-    from first, a slice of whole tiles of rows per core where the weight is large."""
-    cores = _cores(len(rows) // TILE)
-    if rows.size * out.shape[1] * 2 < _SPLIT_FROM or cores < 2:
-        fn(*args, rows, first, out, *after)
-        return
-    cuts = [len(rows) * i // cores // TILE * TILE for i in range(cores)] + [len(rows)]
-    _each_thread(fn, [(*args, rows[lo:hi], first + lo, out, *after) for lo, hi in zip(cuts, cuts[1:], strict=False)])
 
 
 def _scale_arrays(type_name: str, n: int, supers: int) -> tuple:
@@ -477,7 +437,7 @@ class FileBlocks(WeightBlocks):
             first = 0
             for name, b, rows in self._segments:
                 fn, args = (_q6k_codes, (b,)) if name == "Q6_K" else (_k_codes, (b, name == "Q5_K"))
-                _convert(fn, args, rows, first, out, held)
+                fn(*args, rows, first, out, *held)
                 first += len(rows)
             d, m, ds, ms = scales
             scales = (_tensor(d.view(np.float16)), None if m is None else _tensor(m.view(np.float16)),
@@ -493,7 +453,7 @@ class FileBlocks(WeightBlocks):
                     blocks = WeightBlocks._parsed(name, b)
                     src = blocks.qs.numpy().view(np.uint16)
                     held = [None if t is None else t.numpy() for t in (blocks.d, blocks.m, blocks.ds, blocks.ms)]
-                _convert(_gather_codes, (src,), rows, first, out)
+                _gather_codes(src, rows, first, out)
                 parts.append([None if t is None else t[rows] for t in held])
                 first += len(rows)
             scales = [None if ts[0] is None else torch.from_numpy(np.concatenate(ts))
@@ -619,7 +579,7 @@ class BlockLinear:
         out = np.empty((-(-n // TILE), groups * width // 2, TILE), np.uint16)
         if pad:
             out[-1, :, TILE - pad:] = 0
-        _convert(_gather_codes, (qs.view(np.uint16),), np.arange(n), 0, out)
+        _gather_codes(qs.view(np.uint16), np.arange(n), 0, out)
         self.qs = out.view(qs.dtype).reshape(len(out), groups, width // 2, TILE, 2)
         self.scales = _tile_scales(blocks, pad)
 
