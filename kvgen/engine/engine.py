@@ -396,4 +396,5 @@ class Engine:
             self.on_release(seq)
         if seq.on_release:
             seq.on_release()
+        seq.emit_final()
 

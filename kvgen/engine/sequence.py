@@ -87,6 +87,7 @@ class Sequence:
         self.adapter = adapter
         self.resume_from = resume_from
         self.on_release = on_release
+        self._final: Event | None = None  # the finishing event, held until the KV is released
         self.tokenizer = tokenizer
         if params.stop_token_ids is not None:
             self.stop_ids = set(params.stop_token_ids)
@@ -223,7 +224,14 @@ class Sequence:
             "total_ms": (end - self.arrival) * 1e3,
         }
         ev.index = self.index
-        self.emit(ev)
+        self._final = ev  # sent by emit_final, once the engine has let go of the KV blocks
+
+    def emit_final(self) -> None:
+        """Send the finishing event. The engine calls this after releasing the sequence, so a client that
+        has read the end of its stream finds the pool, the metrics and its session already without it."""
+        ev, self._final = self._final, None
+        if ev is not None:
+            self.emit(ev)
 
 
 def _stop_prefix_len(text: str, stops: list[str], max_stop: int) -> int:
