@@ -29,6 +29,7 @@ from numba import njit
 
 from kvgen.cpu import amx_matmul, block_matmul, features, vector_matmul
 from kvgen.cpu.vector_matmul import TILE
+from kvgen.cpu.weight_arena import ALIGN, WeightArena
 
 GROUP = 32
 # The single table of which GGUF types run on which kind of blocks: type: (kind, bytes per block,
@@ -285,11 +286,12 @@ class WeightBlocks:
     ms: torch.Tensor | None = None
 
     @classmethod
-    def from_gguf(cls, type_name: str, raw: np.ndarray) -> WeightBlocks:
+    def from_gguf(cls, type_name: str, raw: np.ndarray, arena: WeightArena | None = None) -> WeightBlocks:
         """raw: the tensor's bytes, [N, K/block inputs * block bytes] (gguf.GGUFReader's tensor.data).
-        The blocks are converted when first used (FileBlocks): by a BlockLinear straight into its tiles."""
+        The blocks are converted when first used (FileBlocks): by a BlockLinear straight into its tiles,
+        carved from arena where one is given (the file's: model_files sizes it by tile_bytes_bound)."""
         _, size, _ = BLOCK_TYPES[type_name]
-        return FileBlocks.of(type_name, np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size))
+        return FileBlocks.of(type_name, np.ascontiguousarray(raw).reshape(raw.shape[0], -1, size), arena)
 
     @classmethod
     def _parsed(cls, type_name: str, b: np.ndarray) -> WeightBlocks:
@@ -354,7 +356,8 @@ class WeightBlocks:
             raise ValueError(f"cannot fuse blocks of kinds and scale layouts {sorted(forms)}")
         if all(isinstance(p, FileBlocks) for p in parts):  # still the file's: converted once, fused
             return FileBlocks(parts[0].kind, parts[0].layout, parts[0].shape[1],
-                              [seg for p in parts for seg in p._segments], [f for p in parts for f in p._release])
+                              [seg for p in parts for seg in p._segments], [f for p in parts for f in p._release],
+                              parts[0].arena)
         fields = zip(*((p.qs, p.d, p.m, p.ds, p.ms) for p in parts), strict=True)
         return WeightBlocks(parts[0].kind, *(None if ts[0] is None else torch.cat(ts) for ts in fields))
 
@@ -386,13 +389,15 @@ class FileBlocks(WeightBlocks):
     un-permutes and the model interleaves again, are not moved at all). Every WeightBlocks field and
     method works as on the converted blocks, which the first use of one makes (and keeps)."""
 
-    def __init__(self, kind: str, layout: int, k: int, segments: list, release: list):
+    def __init__(self, kind: str, layout: int, k: int, segments: list, release: list,
+                 arena: WeightArena | None = None):
         # no dataclass __init__: the fields are the converted blocks' (the properties below)
         self.kind, self._layout, self._k, self._segments, self._release = kind, layout, k, segments, release
+        self.arena = arena  # where tiles() puts the tiles (None: the heap)
         self._converted: WeightBlocks | None = None
 
     @classmethod
-    def of(cls, type_name: str, b: np.ndarray) -> FileBlocks:
+    def of(cls, type_name: str, b: np.ndarray, arena: WeightArena | None = None) -> FileBlocks:
         """b [N, S, block bytes]: the tensor's blocks (a view of the file, read when converted)."""
         kind, _, per = BLOCK_TYPES[type_name]
         if type_name in AS_FILED:
@@ -401,7 +406,7 @@ class FileBlocks(WeightBlocks):
             layout = vector_matmul.SUB if type_name == "Q6_K" else vector_matmul.SUB_MIN
         else:  # the layout the parsed blocks hold (a row of them is enough to say)
             layout = WeightBlocks._parsed(type_name, b[:1]).layout
-        return cls(kind, layout, b.shape[1] * per, [(type_name, b, np.arange(b.shape[0]))], [])
+        return cls(kind, layout, b.shape[1] * per, [(type_name, b, np.arange(b.shape[0]))], [], arena)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -422,13 +427,14 @@ class FileBlocks(WeightBlocks):
         if len(self._segments) > 1 or not isinstance(order, torch.Tensor) or tuple(order.shape) != (n,):
             return self._blocks().map_rows(fn)
         type_name, b, rows = self._segments[0]
-        return FileBlocks(self.kind, self._layout, self._k, [(type_name, b, rows[order.numpy()])], self._release)
+        return FileBlocks(self.kind, self._layout, self._k, [(type_name, b, rows[order.numpy()])], self._release,
+                          self.arena)
 
-    def _convert(self, lanes: int) -> tuple[np.ndarray, WeightBlocks]:
-        """(codes [ceil(N / lanes), pairs a row, lanes] uint16 as _k_codes writes them, the scales as a
-        WeightBlocks without codes)."""
+    def _convert(self, lanes: int, empty=np.empty) -> tuple[np.ndarray, WeightBlocks]:
+        """(codes [ceil(N / lanes), pairs a row, lanes] uint16 as _k_codes writes them, in an array from
+        empty; the scales as a WeightBlocks without codes)."""
         (n, k), pairs = self.shape, PAIRS[self.kind]
-        out = np.empty((-(-n // lanes), k // GROUP * pairs, lanes), np.uint16)
+        out = empty((-(-n // lanes), k // GROUP * pairs, lanes), np.uint16)
         if n % lanes:
             out[-1, :, n % lanes:] = 0  # a partial tile's rows past N
         if self._segments[0][0] in COMPILED_TYPES:  # the loops write the scales too, every row in place
@@ -464,9 +470,11 @@ class FileBlocks(WeightBlocks):
 
     def tiles(self) -> tuple[np.ndarray, np.ndarray]:
         """(qs, scales) as BlockLinear holds them, from the file's bytes."""
-        out, scales = self._convert(TILE)
+        empty = np.empty if self.arena is None else self.arena.empty
+        out, scales = self._convert(TILE, empty)
         qs = out.view(np.int8 if self.kind in INT8_KINDS else np.uint8)
-        return qs.reshape(len(out), self._k // GROUP, -1, TILE, 2), _tile_scales(scales, -self.shape[0] % TILE)
+        return (qs.reshape(len(out), self._k // GROUP, -1, TILE, 2),
+                _tile_scales(scales, -self.shape[0] % TILE, empty))
 
     def _blocks(self) -> WeightBlocks:
         if self._converted is None:
@@ -540,7 +548,15 @@ def compile_kernels() -> None:
 _compiled = False  # compile_kernels has run in this process
 
 
-def _tile_scales(blocks: WeightBlocks, pad: int) -> np.ndarray:
+def tile_bytes_bound(type_name: str, n: int, k: int) -> int:
+    """At most the bytes a BlockLinear's tiles of an [n, k] tensor of type_name take in a WeightArena: the
+    codes exactly, the scales at most a quarter of a byte an input (Q2_K's, the most, hold 0.14),
+    alignment included. A fused weight's tiles take no more than its parts' apart."""
+    rows = -(-n // TILE) * TILE
+    return rows * (k // GROUP * PAIRS[BLOCK_TYPES[type_name][0]] * 2 + k // 4) + 2 * ALIGN
+
+
+def _tile_scales(blocks: WeightBlocks, pad: int, empty=np.empty) -> np.ndarray:
     """The blocks' scales as the kernels read them (vector_matmul._scale_shape): uint8 [N/TILE,
     super-blocks, bytes], per tile and super-block (or block) its TILE rows' fp16 d, fp16 m, then
     the int8 sub-block scales [block, half, TILE] of d, then of m."""
@@ -556,7 +572,8 @@ def _tile_scales(blocks: WeightBlocks, pad: int) -> np.ndarray:
         if t is not None:  # [N, 8 S(, 2)] -> [N/TILE, 8 S(, 2), TILE] -> [N/TILE, S, 8 (2) TILE]
             t = tiled(t)
             parts.append(t.view(np.uint8).reshape(t.shape[0], supers, -1))
-    return np.ascontiguousarray(np.concatenate(parts, -1))
+    out = empty((*parts[0].shape[:2], sum(p.shape[2] for p in parts)), np.uint8)
+    return np.concatenate(parts, -1, out=out)
 
 
 class BlockLinear:
@@ -569,8 +586,10 @@ class BlockLinear:
         self.kind, self.layout, self.b = blocks.kind, blocks.layout, b
         self.out_features, self.in_features = blocks.shape
         compile_kernels()  # the kernels loaded in a safe order before any runs (numba/numba#8578)
+        self.arena = None  # the WeightArena holding qs and scales, if any (fused_decode._Weights reads it)
         if isinstance(blocks, FileBlocks):  # from the file's bytes straight to the tiles
             self.qs, self.scales = blocks.tiles()
+            self.arena = blocks.arena
             return
         pad = -self.out_features % TILE  # the kernels work in whole tiles of output rows
         # codes [N, G, B] -> [N/TILE, G, B/2, TILE, 2]: pairs of neighbouring bytes, a tile's rows side by side

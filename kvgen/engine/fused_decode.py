@@ -25,6 +25,7 @@ from numba import typed
 
 from kvgen.cpu import decode_step, key_lanes, kv_io, paged_attention
 from kvgen.cpu.vector_matmul import TILE
+from kvgen.cpu.weight_arena import ALIGN, WeightArena
 from kvgen.cpu.weight_blocks import GROUP, BlockLinear
 from kvgen.engine import lora
 
@@ -59,38 +60,47 @@ def _parts(lin) -> list:
 
 
 class _Weights:
-    """Every matrix part of the model's linears in three flat buffers (q4 codes, int8 codes, scale
-    bytes: fp16 and int8, vector_matmul's layouts) that the step slices by its table's offsets
+    """Every matrix part of the model's linears in one flat byte buffer (q4 and packed codes, int8 codes,
+    scale bytes: vector_matmul's layouts) that the step slices by its table's offsets
     (decode_step._linear), so each part keeps its own kind and layout, layer by layer and within a
-    fused weight. Each BlockLinear is then pointed at its own slice (a view), so the weights are held
-    once, not twice: a linear is copied in and its old arrays dropped before the next, so the load's
-    peak grows by one matrix, not the model."""
+    fused weight. A model loaded from a GGUF file has written every tile into its file's WeightArena:
+    that arena is the buffer, and nothing is copied. Otherwise the parts are copied into an arena of
+    their own and each BlockLinear pointed at its slice (a view), so the weights are held once, not
+    twice: a linear is copied in and its old arrays dropped before the next, so the load's peak grows
+    by one matrix, not the model."""
 
     def __init__(self, linears: list):
         parts = [p for lin in linears for p in _parts(lin)]
-        # q4's and the packed kinds' bytes (uint8) in one buffer, the int8 codes in the other
-        self.codes4 = np.empty(sum(p.qs.size for p in parts if p.qs.dtype == np.uint8), np.uint8)
-        self.codes8 = np.empty(sum(p.qs.size for p in parts if p.qs.dtype != np.uint8), np.int8)
-        self.scales = np.empty(sum(p.scales.size for p in parts), np.uint8)
-        self._at = {"codes4": 0, "codes8": 0, "scales": 0}
+        # the parts not in an arena (made otherwise than from the file's blocks: an F16 matrix's Q8_0) are
+        # copied into the arena the others share, which the file's bound left room for; else all into a new one
+        outside = [p for p in parts if p.arena is None or any(p.arena.offset(a) is None for a in (p.qs, p.scales))]
+        arenas = {id(p.arena): p.arena for p in parts if p.arena is not None} if len(outside) < len(parts) else {}
+        need = sum(a.nbytes + ALIGN for p in outside for a in (p.qs, p.scales))
+        self.arena = next(iter(arenas.values())) if len(arenas) == 1 else None
+        if self.arena is None or self.arena.room < need:
+            self.arena, outside = WeightArena(sum(a.nbytes + ALIGN for p in parts for a in (p.qs, p.scales))), parts
+        self._outside = {id(p) for p in outside}
 
-    def _put(self, name: str, a: np.ndarray) -> tuple[int, np.ndarray]:
-        buf, at = getattr(self, name), self._at[name]
-        view = buf[at:at + a.size].reshape(a.shape)
-        view[...] = a.view(buf.dtype)
-        self._at[name] = at + a.size
-        return at, view
+    def _put(self, part) -> tuple[int, int]:
+        """(offset of part's codes, of its scales) in the arena, copying them in first where they are not."""
+        if id(part) in self._outside:
+            for name in ("qs", "scales"):
+                a = getattr(part, name)
+                view = self.arena.empty(a.shape, a.dtype)
+                view[...] = a
+                setattr(part, name, view)
+            part.arena = self.arena
+        return self.arena.offset(part.qs), self.arena.offset(part.scales)
 
     def rows(self, lin) -> np.ndarray:
-        """lin's parts as table rows [parts, FIELDS], each part's blocks moved into the buffers and
-        the part pointed at them; the parts' outputs side by side, in their order."""
+        """lin's parts as table rows [parts, FIELDS] (the parts copied into the arena where they are not
+        in it); the parts' outputs side by side, in their order."""
         parts = _parts(lin)
         table = np.zeros((len(parts), decode_step.FIELDS), np.int64)
         col = 0
         for row, part in zip(table, parts, strict=True):
             row[decode_step.KIND] = decode_step.KINDS[part.kind]
-            row[decode_step.CODES], part.qs = self._put("codes4" if part.qs.dtype == np.uint8 else "codes8", part.qs)
-            row[decode_step.SCALES], part.scales = self._put("scales", part.scales)
+            row[decode_step.CODES], row[decode_step.SCALES] = self._put(part)
             row[decode_step.LAYOUT] = part.layout
             row[decode_step.TILES], row[decode_step.GROUPS] = part.qs.shape[:2]
             row[decode_step.COL], row[decode_step.WIDTH] = col, part.out_features
@@ -99,7 +109,9 @@ class _Weights:
 
     @property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return self.codes4, self.codes8, self.scales
+        """(q4 and packed codes, int8 codes, scales): the step's three buffers, here one."""
+        buf = self.arena.buf
+        return buf, buf.view(np.int8), buf
 
 
 def _release_freed() -> None:

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvgen.cpu.weight_blocks import BLOCK_TYPES, FileBlocks, WeightBlocks
+from kvgen.cpu.weight_arena import WeightArena
+from kvgen.cpu.weight_blocks import BLOCK_TYPES, FileBlocks, WeightBlocks, tile_bytes_bound
 from kvgen.engine import float_weights
 from kvgen.engine.embedding import TokenEmbedding
 from kvgen.engine.gguf_reader import GGUFFile
@@ -142,6 +143,12 @@ def _load_gguf(path: str):
     head_dim = int(_field(reader, p + "attention.key_length", n_embd // n_head))
     tokens = reader.fields["tokenizer.ggml.tokens"]
     weights, blocks, rope_freqs, embedding_rows = {}, {}, None, None
+    # every matrix's tiles in one buffer, which the fused decode step then reads as they are (weight_arena.py)
+    # (an F16 / BF16 matrix's Q8_0 blocks, made at load, are copied in by the step: room is left for them)
+    arena = WeightArena(sum(tile_bytes_bound(t.tensor_type.name if t.tensor_type.name in BLOCK_TYPES else "Q8_0",
+                                             *_matrix_shape(t)) for t in reader.tensors
+                            if len(t.shape) == 2 and (t.tensor_type.name in BLOCK_TYPES or
+                                                      float_weights.converts(t.tensor_type.name, _matrix_shape(t)))))
     for t in reader.tensors:
         if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type.name not in BLOCK_TYPES:
             raise UnsupportedModel(f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvgen does not run (it "
@@ -177,7 +184,8 @@ def _load_gguf(path: str):
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         if t.tensor_type.name in BLOCK_TYPES or float_weights.converts(t.tensor_type.name, shape):
             # an F16 / BF16 matrix: Q8_0 blocks made at load (float_weights.py), as an HF folder's are
-            blocks[name] = partial(_gguf_blocks if t.tensor_type.name in BLOCK_TYPES else _gguf_float_blocks, t, heads)
+            blocks[name] = partial(_gguf_blocks, t, heads, arena) if t.tensor_type.name in BLOCK_TYPES \
+                else partial(_gguf_float_blocks, t, heads)
             if name == "model.embed_tokens.weight":  # looked up a row at a time, in the file's encoding
                 # a mapping of its own bytes, so that the reader's mapping of the whole file (whose
                 # pages the blocks' parsing touched) goes when the reader does
@@ -247,10 +255,17 @@ def _drop_pages(t) -> None:
         mm.madvise(mmap.MADV_DONTNEED, start, t.data_offset + t.n_bytes - start)
 
 
-def _gguf_blocks(t, heads: int) -> WeightBlocks:
-    """One GGUF tensor's blocks (rows un-permuted where heads): integer codes, no floats. The K-quants'
-    are converted when a BlockLinear takes them (weight_blocks.FileBlocks), their file pages dropped then."""
-    b = WeightBlocks.from_gguf(t.tensor_type.name, t.data)
+def _matrix_shape(t) -> tuple[int, int]:
+    """A 2-D GGUF tensor's [rows, inputs] (the file lists its dimensions innermost first)."""
+    k, n = (int(x) for x in t.shape.tolist())
+    return n, k
+
+
+def _gguf_blocks(t, heads: int, arena: WeightArena) -> WeightBlocks:
+    """One GGUF tensor's blocks (rows un-permuted where heads): integer codes, no floats. They are
+    converted when a BlockLinear takes them (weight_blocks.FileBlocks), into arena, their file pages
+    dropped then."""
+    b = WeightBlocks.from_gguf(t.tensor_type.name, t.data, arena)
     if isinstance(b, FileBlocks):
         b.after(partial(_drop_pages, t))
     else:

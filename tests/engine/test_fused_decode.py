@@ -393,6 +393,22 @@ def test_a_mixture_of_kinds_decodes_like_the_forward(mixed_model):
     assert_near(pools[1].store["kv"][caches[1].blocks], pools[0].store["kv"][caches[0].blocks])
 
 
+def test_the_step_reads_a_files_tiles_where_the_load_wrote_them(mixed_model):
+    """Every part's tiles went into the file's WeightArena at load, and that arena is the step's weight
+    buffer: the step copies nothing (a second model-sized write, and peak, otherwise)."""
+    from kvgen.engine.fused_decode import _parts
+
+    m = mixed_model
+    linears = [getattr(layer, f) for layer in m.layers for f in ("qkv", "o", "gate_up", "down")] + [m.lm_head]
+    parts = [p for lin in linears for p in _parts(lin)]
+    where = [(p.qs.ctypes.data, p.scales.ctypes.data) for p in parts]
+    arena = parts[0].arena
+    assert arena is not None and all(p.arena is arena for p in parts)
+    fused = FusedDecode(m)
+    assert all(w is arena.buf or w.base is arena.buf for w in fused.weights)
+    assert [(p.qs.ctypes.data, p.scales.ctypes.data) for p in parts] == where
+
+
 def test_a_mixtures_batched_rows_and_prompt_chunk_equal_the_forward(mixed_model):
     """MANY sequences decoding one token each in one step, then a 40-token prompt chunk as rows of
     the step (transposed blocks, parallel rows): every row's logits and K/V are Model.forward's."""

@@ -233,7 +233,9 @@ def test_a_preempted_compressed_sequence_recomputes_and_blocks_come_back():
 async def _both(gen, prompts, params):
     import asyncio
 
-    reqs = [gen.submit(p, params) for p in prompts]
+    with gen.engine._cv:  # both in the inbox before the engine's next step takes it: they run together (on a
+        # loaded machine the engine could otherwise finish the first before the second was submitted)
+        reqs = [gen.submit(p, params) for p in prompts]
     return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
 
 

@@ -61,9 +61,9 @@ class Calls:
             self.dequantized.append(data.ctypes.data)
             return dequantize(data, qtype)
 
-        def counted_from_gguf(cls, type_name, raw):
+        def counted_from_gguf(cls, type_name, raw, arena=None):
             self.blocked.append(raw.ctypes.data)
-            return from_gguf(cls, type_name, raw)
+            return from_gguf(cls, type_name, raw, arena)
 
         monkeypatch.setattr(gguf.quants, "dequantize", counted_dequantize)
         monkeypatch.setattr(WeightBlocks, "from_gguf", classmethod(counted_from_gguf))
