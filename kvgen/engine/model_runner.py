@@ -134,6 +134,9 @@ class ModelRunner:
         self.decode_path, self.decode_path_reason = self._decode_path(fused, window, chunk)
         if self.decode_path == "torch":
             log.info("decode steps run Model.forward: %s", self.decode_path_reason)
+        else:  # (each path says itself at start: one line tells an operator which code serves)
+            log.info("decode steps run %s", "the fused step (kvgen/cpu/decode_step.py)" if self.decode_path == "fused"
+                     else "the CUDA kernels (kvgen/gpu)")
         self.features: dict = {}  # the last step's: seq -> [n, hidden] of its new tokens
 
     def _decode_path(self, fused: bool, window: int, chunk: int) -> tuple[str, str]:

@@ -10,6 +10,7 @@ GGUF blocks only)."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -52,9 +53,11 @@ def test_gemma2_says_its_windows_caps_and_torch_path(gemma2_folder):
     assert "soft-capping at 1.5" in info.decode_path_reason
 
 
-def test_the_embedded_llama_says_which_decode_path_and_why(embedded):
+def test_the_embedded_llama_says_which_decode_path_and_why(embedded, caplog):
     blocks = load_model(embedded_model_path(), "auto")  # the GGUF's own blocks: what the fused step multiplies
-    info = _info(Generator(*blocks, EngineOptions()))
+    with caplog.at_level(logging.INFO, logger="kvgen"):
+        info = _info(Generator(*blocks, EngineOptions()))
+    assert "decode steps run the fused step" in caplog.text  # the start log says the path, as GetModelInfo
     assert info.architecture == "llama" and info.weight_dtype == "gguf"
     assert info.layer_windows == (0,) * info.num_layers
     assert info.attention_logit_softcap == info.final_logit_softcap == 0.0
