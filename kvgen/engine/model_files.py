@@ -261,9 +261,10 @@ def _matrix_shape(t) -> tuple[int, int]:
     return n, k
 
 
-def _gguf_blocks(t, heads: int, arena: WeightArena) -> WeightBlocks:
+def _gguf_blocks(t, heads: int, arena: WeightArena | None = None) -> WeightBlocks:
     """One GGUF tensor's blocks (rows un-permuted where heads): integer codes, no floats. They are
-    converted when a BlockLinear takes them (weight_blocks.FileBlocks), into arena, their file pages
+    converted when a BlockLinear takes them (weight_blocks.FileBlocks), into arena where one is given
+    (the fused step's weights: a Mamba-2 file, which has no fused step, gives none), their file pages
     dropped then."""
     b = WeightBlocks.from_gguf(t.tensor_type.name, t.data, arena)
     if isinstance(b, FileBlocks):
