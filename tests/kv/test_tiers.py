@@ -147,6 +147,7 @@ print("kernel codecs ok")
 
 
 @pytest.mark.heavy
+@pytest.mark.slow  # ~50 s in Numba's CUDA simulator: run by `make test-slow`, for CI's time
 def test_warm_codecs_on_the_numba_kernels_match_torch_bit_exactly(tmp_path):
     pytest.importorskip("numba")
     root = Path(__file__).resolve().parents[2]
