@@ -19,4 +19,5 @@ from kvgen.cpu import features, kernel_cache
 # torch's CPU parallelism is libgomp's: the kernels take the same runtime kind (vector_matmul.py's
 # note on threads)
 numba.config.THREADING_LAYER = "omp"
-kernel_cache.use_cache_dir(f"{features.FEATURES} parts={numba.config.NUMBA_NUM_THREADS} amx={features.AMX}")
+kernel_cache.use_cache_dir(f"{features.FEATURES} parts={numba.config.NUMBA_NUM_THREADS} amx={features.AMX} "
+                           f"int8={features.INT8}")

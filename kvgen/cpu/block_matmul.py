@@ -4,17 +4,19 @@ of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vecto
 kernels.
 Both give every row the same bits, so which one ran never shows in a row's output. The kinds with
 no tile kernels (q8h, q8hm and the packed q5, q5m, q6h: weight_blocks.BLOCK_TYPES) run on the
-vector kernels at every row count."""
+vector kernels at every row count. Under CPU_ACTIVATIONS=int8 (features.INT8) the q4 kind takes
+int8_matmul.py's kernel instead, at every row count: activations rounded to int8, not int16."""
 
 from __future__ import annotations
 
 from numba import njit
 
-from kvgen.cpu import amx_matmul, features, vector_matmul
+from kvgen.cpu import amx_matmul, features, int8_matmul, vector_matmul
 
 # A plain global, so that Numba prunes the tiles' branch where it is False: a build without
 # AMX-INT8 cannot even compile their intrinsics.
 AMX = features.AMX
+INT8 = features.INT8
 
 
 @njit(cache=True, nogil=True)
@@ -22,6 +24,9 @@ def q4_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     """y = x W^T for a Q4_0 / Q4_1 / Q4_K weight in blocks (scales in vector_matmul's `layout`): x
     rounded to int16 into room (a scratch), then the block kernels: AMX tiles for AMX_FROM rows or
     more where the CPU has them, else the vector kernels (the same bits)."""
+    if INT8:  # CPU_ACTIVATIONS=int8: every row count (features.py)
+        int8_matmul.q4_linear_int8(x, qs, scales, layout, y)
+        return
     xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
         amx_matmul.q4_matmul(xq, dx, xs, qs, scales, layout, y)

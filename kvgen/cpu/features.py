@@ -4,6 +4,7 @@ features Numba compiles for, the code path they select, and AMX tiles where Linu
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numba
 from llvmlite import binding
@@ -28,12 +29,21 @@ VNNI = WIDE and "+avx512vnni" in FEATURES.split(",")  # vpdpwssd: pmaddwd and th
 LANES = 16 if WIDE else 8  # weight rows per vector of sums
 # AMX-INT8 tiles for steps of many rows (amx_matmul.py), where Linux grants the process them
 AMX = VNNI and "+amx-int8" in FEATURES.split(",") and _request_amx()
+# CPU_ACTIVATIONS=int8 (the service's setting, read here because it picks what the kernels compile to):
+# q4 weights multiply activations rounded to int8 per block of 32 (int8_matmul.py: vpdpbusd, ~1.75x the
+# int16 kernels' multiply-adds from 4 rows up, at llama.cpp's activation rounding); int16, the default, keeps
+# vector_matmul's 2^-16 rounding. Every row count takes the same kernel, so a row's output still does not
+# depend on the others. Needs AVX512-VNNI; the service refuses the setting elsewhere.
+ACTIVATIONS = os.environ.get("CPU_ACTIVATIONS", "int16").strip().lower() or "int16"
+INT8 = VNNI and ACTIVATIONS == "int8"
 
 
 def path() -> str:
     """The code path the block kernels were built for here (GetModelInfo.cpu_kernels and the log):
     amx (tiles for steps of amx_matmul.AMX_FROM rows or more, vpdpwssd below), avx512-vnni,
-    avx512, avx2 or portable."""
+    avx512, avx2 or portable; "+int8" where q4 weights take int8 activations (CPU_ACTIVATIONS)."""
     if AMX:
-        return "amx"
+        return "amx+int8" if INT8 else "amx"
+    if INT8:
+        return "avx512-vnni+int8"
     return "avx512-vnni" if VNNI else "avx512" if WIDE else "avx2" if PMADDWD else "portable"

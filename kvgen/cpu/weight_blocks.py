@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from kvgen.cpu import amx_matmul, block_matmul, features, vector_matmul
+from kvgen.cpu import amx_matmul, block_matmul, features, int8_matmul, vector_matmul
 from kvgen.cpu.vector_matmul import TILE
 from kvgen.cpu.weight_arena import ALIGN, WeightArena
 
@@ -505,6 +505,8 @@ def compile_kernels() -> None:
     global _compiled
     if _compiled:
         return
+    if features.INT8:  # q4_linear's int8 kernel (CPU_ACTIVATIONS=int8) and its parallel callees, first too
+        int8_matmul.compile_int8_kernels()
     vm = vector_matmul
     x = np.zeros((1, SUPER * GROUP), np.float32)  # one super-block: every layout's shapes hold
     y, room = np.zeros((1, TILE), np.float32), vm.scratch(1, x.shape[1])

@@ -75,6 +75,20 @@ def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextT
     return model, tokenizer
 
 
+def _check_activations(asked: str) -> None:
+    """CPU_ACTIVATIONS as the kernels were built (features.py reads it when kvgen.cpu is imported); empty:
+    whatever they were built for."""
+    if not asked:
+        return
+    if asked not in ("int16", "int8"):
+        raise ValueError(f"CPU_ACTIVATIONS={asked!r}: int16 or int8")
+    if asked == "int8" and not features.VNNI:
+        raise ValueError(f"CPU_ACTIVATIONS=int8 needs AVX512-VNNI; this CPU's block kernels are {features.path()}")
+    if asked != features.ACTIVATIONS:
+        raise ValueError(f"CPU_ACTIVATIONS={asked!r} in the options, but the kernels were built for "
+                         f"{features.ACTIVATIONS!r}: it is read from the environment when kvgen.cpu is imported")
+
+
 def kernel_path(model: Model) -> str:
     """GetModelInfo.cpu_kernels: the code path the block kernels run on, where gguf weights run on
     the CPU (features.path(), from the CPU's features); empty elsewhere."""
@@ -173,6 +187,7 @@ class Generator:
         """draft_model: the drafting model for speculative="draft" (default: DRAFT_MODEL loaded
         at DRAFT_WEIGHT_DTYPE)."""
         opts = options or EngineOptions()
+        _check_activations(opts.cpu_activations)
         self.options = opts
         self.model_path = model_path
         self.cfg = cfg = model.cfg

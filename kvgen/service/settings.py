@@ -1,6 +1,8 @@
 """Server settings: one table (SETTINGS) built from the fields of Settings and EngineOptions, each
 with its environment name, type, default and one line of meaning. Settings.from_env is the only
-reader of the environment (the OpenTelemetry SDK reads its own OTEL_* variables).
+reader of the environment (the OpenTelemetry SDK reads its own OTEL_* variables; kvgen/cpu/features.py
+reads CPU_ACTIVATIONS as well, when kvgen.cpu is imported: the kernels are built for it before any
+Settings exist, and Generator checks that the two agree).
 
 `python -m kvgen.service.settings` prints the table as docs/settings.md shows it (settings_markdown);
 `python -m kvgen.service.settings --update docs/settings.md` rewrites that part of the file."""

@@ -100,7 +100,9 @@ def test_from_env_parses_each_kind():
 
 # Modules that may read the environment, and why: the one reader of settings, the OpenTelemetry
 # SDK's own OTEL_* variables, and the CLI (a client program: its own KVGEN_TARGET / API_KEY defaults).
-ENV_READERS = {"kvgen/service/settings.py", "kvgen/service/tracing.py", "kvgen/cli.py"}
+# (kvgen/cpu/features.py reads CPU_ACTIVATIONS, a setting of EngineOptions too, itself: what the kernels compile
+# to is fixed when kvgen.cpu is imported, before any Settings exist, as Numba reads NUMBA_CPU_FEATURES)
+ENV_READERS = {"kvgen/service/settings.py", "kvgen/service/tracing.py", "kvgen/cli.py", "kvgen/cpu/features.py"}
 
 
 def reads_environment(path: Path) -> bool:
