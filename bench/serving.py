@@ -87,14 +87,18 @@ class Served:
             self.proc.kill()
 
 
-def kvgen(prefix_cache: bool, model: str = "") -> Served:
+def kvgen(prefix_cache: bool, model: str = "", activations: str = "") -> Served:
+    """activations: CPU_ACTIVATIONS for this server (empty: the default, int16)."""
     port = _free_port()
     env = {**os.environ, "PORT": str(_free_port()), "HTTP_PORT": str(port), "METRICS_PORT": "0",
            "PREFIX_CACHE": "1" if prefix_cache else "0", "MAX_RUNNING": str(SLOTS)}
+    env.pop("CPU_ACTIVATIONS", None)
+    if activations:
+        env["CPU_ACTIVATIONS"] = activations
     if model:
         env["MODEL"] = model
-    return Served(f"kvgen{'' if prefix_cache else ' PREFIX_CACHE=0'}",
-                  [sys.executable, "-m", "kvgen.service.server"], env, port)
+    name = f"kvgen{'' if prefix_cache else ' PREFIX_CACHE=0'}{' CPU_ACTIVATIONS=' + activations if activations else ''}"
+    return Served(name, [sys.executable, "-m", "kvgen.service.server"], env, port)
 
 
 def llama_server(model: str = "") -> Served:
@@ -194,7 +198,7 @@ async def measure(servers: list[Served], workloads: list[str], rounds: int = CHA
                 for n in (1, 4, 16):
                     res[f"streams {n}"] = await streams(srv, n)
                     print(f"{srv.name}: {n} streams {res[f'streams {n}']:.1f} tok/s", flush=True)
-            if "prefix" in workloads:
+            if "prefix" in workloads and "CPU_ACTIVATIONS" not in srv.name:
                 res["prefix ttft s"] = await prefix_ttft(srv)
                 print(f"{srv.name}: prefix TTFT {res['prefix ttft s']:.3f} s", flush=True)
         if "chat" in workloads:
@@ -255,6 +259,7 @@ def main() -> int:
     ap.add_argument("--skip-llama-server", action="store_true")
     ap.add_argument("--model", default="", help="a GGUF file for both servers (default: the embedded Q4_1)")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--int8", action="store_true", help="also a kvgen with CPU_ACTIVATIONS=int8 (streams only)")
     args = ap.parse_args()
     workloads = args.workloads.split(",")
     t0 = time.perf_counter()
@@ -265,6 +270,8 @@ def main() -> int:
         else:
             print(f"llama-server skipped: {LLAMA_SERVER} missing (bash bench/setup_llama_server.sh)")
     servers.append(kvgen(True, args.model))
+    if args.int8:
+        servers.append(kvgen(True, args.model, "int8"))
     if "prefix" in workloads or "chat" in workloads:
         servers.append(kvgen(False, args.model))
     results = asyncio.run(measure(servers, workloads))
