@@ -1,11 +1,12 @@
-"""A prototype (not wired in): q4 block matmuls with int8 activations and vpdpbusd.
+"""q4 block matmuls with int8 activations and vpdpbusd: block_matmul.q4_linear's kernel, at every row
+count, where CPU_ACTIVATIONS=int8 (features.INT8); the int16 kernels everywhere else.
 
 vector_matmul rounds each activation row's block of 32 inputs to int16 (2^-16 of the block's
 largest |x|) and multiplies by vpdpwssd, 32 int16 multiply-adds an instruction. Steps of many rows
 (a prompt chunk, 16 decode streams) are then compute-bound, where llama.cpp, whose activations
 are int8 (Q8_0 / Q8_K: 2^-8), multiplies 64 u8 x s8 pairs an instruction (vpdpbusd). This module
-measures what that gains, for the q4 kind only (Q4_0: F16, Q4_1: F16_MIN, Q4_K: SUB_MIN; the codes
-and scales BlockLinear holds, read exactly as vector_matmul reads them).
+does the same for the q4 kind (Q4_0: F16, Q4_1: F16_MIN, Q4_K: SUB_MIN; the codes and scales
+BlockLinear holds, read exactly as vector_matmul reads them); the other kinds keep int16.
 
 What it computes:
 
