@@ -1,4 +1,4 @@
-"""The int8-activation q4 prototype (kvgen/cpu/int8_matmul.py): its rounding against numpy's, its
+"""The int8-activation q4 kernels (kvgen/cpu/int8_matmul.py, CPU_ACTIVATIONS=int8): its rounding against numpy's, its
 sums against a numpy reference of the same arithmetic, and its error against gguf-py's fp32 weights
 within the int8 rounding's bound. It runs where the CPU has AVX512-VNNI (vpdpbusd)."""
 
