@@ -385,16 +385,18 @@ class Engine:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
-        for f in seq.forks:  # ended before its prompt was computed: so do the other samples
-            if not f.finished:
-                self._retire(f, seq.finish_reason or FinishReason.CANCELLED, error=None)
-        seq.forks = []
-        if self.drafter is not None:
-            self.drafter.forget(seq)
-        self.scheduler.finish(seq)  # blocks back to the pool, or a session's parked
-        if self.on_release:
-            self.on_release(seq)
-        if seq.on_release:
-            seq.on_release()
-        seq.emit_final()
+        try:
+            for f in seq.forks:  # ended before its prompt was computed: so do the other samples
+                if not f.finished:
+                    self._retire(f, seq.finish_reason or FinishReason.CANCELLED, error=None)
+            seq.forks = []
+            if self.drafter is not None:
+                self.drafter.forget(seq)
+            self.scheduler.finish(seq)  # blocks back to the pool, or a session's parked
+            if self.on_release:
+                self.on_release(seq)
+            if seq.on_release:
+                seq.on_release()
+        finally:  # the finishing event, once the KV is let go; sent even if letting go failed: no reader hangs
+            seq.emit_final()
 
