@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup lora-adapter eagle-head clean
+.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup bench-activations lora-adapter eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 serve: $(STAMP) $(STUBS)
@@ -157,6 +157,10 @@ lora-adapter: $(STAMP)
 	test -f bench/.cache/adapters/json-lora/adapter_config.json || $(PY) bench/train_lora.py
 
 # seconds to SERVING (kernel cache warm and cold) next to llama-server's: bench/results/startup.md
+bench-activations: $(STAMP) $(STUBS)
+	bash bench/setup_llama_server.sh
+	$(PY) bench/activations.py
+
 bench-startup: $(STAMP) $(STUBS)
 	bash bench/setup_llama_server.sh
 	$(PY) bench/startup.py
