@@ -61,7 +61,22 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from kvgen.cpu.features import LANES, VNNI
-from kvgen.cpu.llvm_ir import FLOATS, I8, I16, I32, INTS, add_all, arguments, broadcast, fma, i64, splat, vector
+from kvgen.cpu.llvm_ir import (
+    FLOATS,
+    I8,
+    I16,
+    I32,
+    INTS,
+    add_all,
+    arguments,
+    broadcast,
+    fma,
+    i64,
+    largest_magnitude,
+    load_block,
+    splat,
+    vector,
+)
 from kvgen.cpu.vector_matmul import (
     F16,
     F16_MIN,
@@ -231,26 +246,14 @@ def _round_blocks_int8(typingctx, x, xq, dx, xs, xi, groups):
     def codegen(context, builder, signature, args):
         a = arguments(context, builder, signature, args, ("x", "xq", "dx", "xs", "xi", "groups"))
         f32 = ir.FloatType()
-        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16, [_F16]), "llvm.fabs.v16f32")
         rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16, [_F16]), "llvm.rint.v16f32")
         reduce_add = cgutils.get_or_insert_function(builder.module, ir.FunctionType(I32, [_I32X16]),
                                                     "llvm.vector.reduce.add.v16i32")
 
-        def half(v, lanes, start):
-            return builder.shuffle_vector(v, v, vector(I32, range(start, start + lanes)))
-
-        def fmax(u, w):  # exact whichever way round (no NaN among activations)
-            return builder.select(builder.fcmp_ordered(">", u, w), u, w)
-
         with cgutils.for_range(builder, a["groups"]) as loop:
             g = loop.index
-            at = builder.gep(a["x"], [builder.mul(g, i64(32))])
-            lo = builder.load(builder.bitcast(at, _F16.as_pointer()), align=4)
-            hi = builder.load(builder.bitcast(builder.gep(at, [i64(16)]), _F16.as_pointer()), align=4)
-            m = fmax(builder.call(fabs, [lo]), builder.call(fabs, [hi]))
-            for width in (8, 4, 2, 1):
-                m = fmax(half(m, width, 0), half(m, width, width))
-            top = builder.extract_element(m, i64(0))
+            lo, hi = load_block(builder, a["x"], g)
+            top = largest_magnitude(builder, lo, hi)  # the same block maximum as vector_matmul's int16 rounding
             step = builder.fdiv(top, ir.Constant(f32, 127.0))
             positive = builder.fcmp_ordered(">", top, ir.Constant(f32, 0.0))
             inv = builder.select(positive, builder.fdiv(ir.Constant(f32, 127.0), top), ir.Constant(f32, 0.0))

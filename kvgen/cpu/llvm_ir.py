@@ -54,6 +54,34 @@ def halves_to_floats(builder, bits):
     return builder.bitcast(builder.or_(builder.bitcast(f, INTS), sign), FLOATS)
 
 
+# Half of an activation block (32 float32 inputs): the unit the activations are rounded in, whatever LANES is
+BLOCK_HALF = ir.VectorType(ir.FloatType(), 16)
+
+
+def load_block(builder, x, g):
+    """Block g's 32 float32 inputs from x (a float pointer), as two BLOCK_HALF vectors (inputs 0-15, 16-31)."""
+    at = builder.gep(x, [builder.mul(g, i64(32))])
+    lo = builder.load(builder.bitcast(at, BLOCK_HALF.as_pointer()), align=4)
+    hi = builder.load(builder.bitcast(builder.gep(at, [i64(16)]), BLOCK_HALF.as_pointer()), align=4)
+    return lo, hi
+
+
+def largest_magnitude(builder, lo, hi):
+    """The largest |x| of a block (load_block's two halves), a float: a tree of compares and selects, exact
+    whichever way round (no NaN among activations), the same on every CPU."""
+    fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(BLOCK_HALF, [BLOCK_HALF]),
+                                          "llvm.fabs.v16f32")
+
+    def fmax(u, w):
+        return builder.select(builder.fcmp_ordered(">", u, w), u, w)
+
+    m = fmax(builder.call(fabs, [lo]), builder.call(fabs, [hi]))
+    for width in (8, 4, 2, 1):  # lanes 0 .. width - 1 against width .. 2 width - 1
+        m = fmax(builder.shuffle_vector(m, m, vector(I32, range(width))),
+                 builder.shuffle_vector(m, m, vector(I32, range(width, 2 * width))))
+    return builder.extract_element(m, i64(0))
+
+
 def add_all(builder, terms):
     """terms[0] + terms[1] + ... (integers), left to right."""
     out = terms[0]

@@ -110,6 +110,8 @@ from kvgen.cpu.llvm_ir import (
     broadcast,
     halves_to_floats,
     i64,
+    largest_magnitude,
+    load_block,
     splat,
     vector,
 )
@@ -426,7 +428,6 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
     def codegen(context, builder, signature, args):
         a = arguments(context, builder, signature, args, ("x", "xq", "dx", "xs", "groups"))
         f32 = ir.FloatType()
-        fabs = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16, [_F16]), "llvm.fabs.v16f32")
         rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_F16, [_F16]), "llvm.rint.v16f32")
 
         def half(v, lanes, start):  # lanes start .. start + lanes - 1 of v
@@ -435,23 +436,15 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
         def pick(v, idx):
             return builder.shuffle_vector(v, v, vector(I32, idx))
 
-        def fmax(u, w):  # exact whichever way round (no NaN among activations)
-            return builder.select(builder.fcmp_ordered(">", u, w), u, w)
-
         with cgutils.for_range(builder, a["groups"]) as loop:
             g = loop.index
-            at = builder.gep(a["x"], [builder.mul(g, i64(32))])
-            lo = builder.load(builder.bitcast(at, _F16.as_pointer()), align=4)
-            hi = builder.load(builder.bitcast(builder.gep(at, [i64(16)]), _F16.as_pointer()), align=4)
+            lo, hi = load_block(builder, a["x"], g)
             s8 = builder.fadd(builder.fadd(half(lo, 8, 0), half(lo, 8, 8)),
                               builder.fadd(half(hi, 8, 0), half(hi, 8, 8)))
             s4 = builder.fadd(pick(s8, [0, 2, 4, 6]), pick(s8, [1, 3, 5, 7]))
             s2 = builder.fadd(pick(s4, [0, 2]), pick(s4, [1, 3]))
             total = builder.fadd(builder.extract_element(s2, i64(0)), builder.extract_element(s2, i64(1)))
-            m = fmax(builder.call(fabs, [lo]), builder.call(fabs, [hi]))
-            for width in (8, 4, 2, 1):
-                m = fmax(half(m, width, 0), half(m, width, width))
-            top = builder.extract_element(m, i64(0))
+            top = largest_magnitude(builder, lo, hi)
             builder.store(total, builder.gep(a["xs"], [g]))
             builder.store(builder.fdiv(top, ir.Constant(f32, 32767.0)), builder.gep(a["dx"], [g]))
             positive = builder.fcmp_ordered(">", top, ir.Constant(f32, 0.0))
