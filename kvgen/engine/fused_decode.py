@@ -73,13 +73,15 @@ class _Weights:
         parts = [p for lin in linears for p in _parts(lin)]
         # the parts not in an arena (made otherwise than from the file's blocks: an F16 matrix's Q8_0) are
         # copied into the arena the others share, which the file's bound left room for; else all into a new one
-        outside = [p for p in parts if p.arena is None or any(p.arena.offset(a) is None for a in (p.qs, p.scales))]
-        arenas = {id(p.arena): p.arena for p in parts if p.arena is not None} if len(outside) < len(parts) else {}
+        held = {id(p): p.arena for p in parts
+                if p.arena is not None and all(p.arena.offset(a) is not None for a in (p.qs, p.scales))}
+        outside = [p for p in parts if id(p) not in held]
+        arenas = {id(a): a for a in held.values()}
         need = sum(a.nbytes + ALIGN for p in outside for a in (p.qs, p.scales))
         self.arena = next(iter(arenas.values())) if len(arenas) == 1 else None
         if self.arena is None or self.arena.room < need:
             self.arena, outside = WeightArena(sum(a.nbytes + ALIGN for p in parts for a in (p.qs, p.scales))), parts
-        self._outside = {id(p) for p in outside}
+        self._outside = {id(p) for p in outside}  # (empty: nothing copied, no old arrays to give back)
 
     def _put(self, part) -> tuple[int, int]:
         """(offset of part's codes, of its scales) in the arena, copying them in first where they are not."""
@@ -106,6 +108,11 @@ class _Weights:
             row[decode_step.COL], row[decode_step.WIDTH] = col, part.out_features
             col += part.out_features
         return table
+
+    @property
+    def copied(self) -> bool:
+        """Whether any part was copied in (its old arrays then freed)."""
+        return bool(self._outside)
 
     @property
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -226,7 +233,8 @@ class FusedDecode:
             spare = max(spare, int(self.head[:, decode_step.TILES].max()) * TILE)
         self.widths = np.array([*widths, spare], np.int64)
         self.weights = weights.arrays
-        _release_freed()
+        if weights.copied:
+            _release_freed()
         self.vocab = head.out_features
         self._plain = kv_io.cache_tuple(None, {})
         self._no_features = np.empty((0, cfg.hidden_size), np.float32)  # what a step without features passes
