@@ -51,8 +51,15 @@ clients/node/node_modules/.package-lock.json: clients/node/package-lock.json
 test-slow: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q -m slow
 
-test-gpu: $(STAMP) $(STUBS)
-	$(PY) -m pytest -q -m gpu tests
+# The GPU half, with a Python whose torch sees CUDA (GPU_PYTHON; the venv's torch is the CPU build): kvgen
+# with CuPy for the machine's CUDA major version and Numba's CUDA target installed into it, then every
+# `gpu` test, which fails rather than skips when the device or CuPy is missing (KVGEN_REQUIRE_GPU).
+GPU_PYTHON ?= python3
+CUDA_MAJOR ?= $(shell nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9]*' | grep -o '[0-9]*$$')
+test-gpu: $(STUBS)
+	@test -n "$(CUDA_MAJOR)" || { echo "make test-gpu: no NVIDIA driver (nvidia-smi) on this machine"; exit 1; }
+	$(GPU_PYTHON) -m pip install -q -e '.[gpu]' "cupy-cuda$(CUDA_MAJOR)x" pytest pytest-timeout
+	KVGEN_REQUIRE_GPU=1 $(GPU_PYTHON) -m pytest -q -m gpu tests
 
 # The other clients' suites alone (`make test` runs them too). Each installs what it needs: the Go
 # client Debian's Go toolchain and gRPC packages (clients/go/Makefile), lm-eval its own venv.
@@ -186,9 +193,13 @@ bench-structured: $(STAMP) $(STUBS)
 bench-kv: $(STAMP) $(STUBS)
 	$(PY) bench/kv.py
 
-bench-gpu: $(STAMP) $(STUBS)
-	$(PY) bench/gpu.py
-	$(PY) bench/gpu_engine.py
+# On a CUDA machine, with GPU_PYTHON (see test-gpu): flash-decode, the embedded model's engine, then the
+# engine at real sizes (1B and 8B models made there) against transformers. bench/gpu_session.sh runs all of
+# it as one timed script on a lent machine that reaches no registry.
+bench-gpu: $(STUBS)
+	$(GPU_PYTHON) bench/gpu.py
+	$(GPU_PYTHON) bench/gpu_engine.py
+	$(GPU_PYTHON) bench/gpu_models.py
 
 # The engine at BASE (a git revision; default HEAD) against the working tree, alternating rounds.
 BASE ?= HEAD

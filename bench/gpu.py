@@ -6,7 +6,8 @@ KV bytes it must read (the format's bytes per token incl. scales, x batch x cont
 second as a percentage of the device-to-device copy bandwidth measured in the same run
 (bytes read + written per second by a 1 GiB tensor copy). Next to it: torch's
 scaled_dot_product_attention on the same K/V gathered into dense fp16 [B, KVH, ctx, HD]
-(gathered outside the timing, so SDPA is shown its best case: contiguous memory).
+(gathered outside the timing, so SDPA is shown its best case: contiguous memory), and the same SDPA
+on the paged data as a torch server runs it: the blocks gathered (and dequantized) each call, then SDPA.
 
 Timing: CUDA events around `iters` back-to-back calls after `warmup` calls; the median of
 `repeats` such runs; each call a CUDA-graph replay of the op (as the engine's decode step runs
@@ -140,12 +141,25 @@ def bench_case(name: str, batch: int, ctx: int, args, copy_bw: float) -> dict | 
 
     sdpa_eager_ms = _time_ms(sdpa, args.warmup, args.iters, args.repeats)
     sdpa_ms = _time_ms(_graphed(sdpa), args.warmup, args.iters, args.repeats)
+    ids = tables.long().flatten()
+
+    def paged_sdpa():  # what a torch server does with paged K/V: gather (and dequantize) the blocks, then SDPA
+        kb, vb = fmt.read(store, 0, ids)
+        kd = kb.reshape(batch, -1, kvh, hd)[:, :ctx].transpose(1, 2)
+        vd = vb.reshape(batch, -1, kvh, hd)[:, :ctx].transpose(1, 2)
+        torch.nn.functional.scaled_dot_product_attention(q4d, kd.to(q.dtype), vd.to(q.dtype), enable_gqa=True)
+
+    try:
+        paged_ms = _time_ms(_graphed(paged_sdpa), args.warmup, args.iters, args.repeats)
+    except RuntimeError:  # not capturable: eager
+        torch.cuda.synchronize()
+        paged_ms = _time_ms(paged_sdpa, args.warmup, args.iters, args.repeats)
     return {
         "format": name, "batch": batch, "context": ctx, "splits": splits,
         "fd_us": fd_ms * 1e3, "fd_eager_us": fd_eager_ms * 1e3, "kv_mb": kv_bytes / 1e6,
         "fd_gbs": kv_bytes / (fd_ms * 1e-3) / 1e9, "fd_pct": 100 * kv_bytes / (fd_ms * 1e-3) / copy_bw,
         "sdpa_us": sdpa_ms * 1e3, "sdpa_eager_us": sdpa_eager_ms * 1e3,
-        "sdpa_pct": 100 * dense_bytes / (sdpa_ms * 1e-3) / copy_bw, "max_err": check,
+        "sdpa_pct": 100 * dense_bytes / (sdpa_ms * 1e-3) / copy_bw, "max_err": check, "paged_us": paged_ms * 1e3,
     }
 
 
@@ -163,14 +177,15 @@ def render(rows: list[dict], device: str, copy_bw: float, args) -> str:
         "launched from Python each time (CuPy's and torch's launch overhead included).",
         "",
         "| format | batch | context | splits | flash-decode µs | eager µs | KV MB | GB/s | % copy | SDPA µs "
-        "| SDPA eager µs | SDPA % copy | flash-decode / SDPA |" + (" max err |" if args.check else ""),
-        "| --- |" + " ---: |" * (12 + bool(args.check)),
+        "| SDPA eager µs | SDPA % copy | flash-decode / SDPA | paged SDPA µs | flash-decode / paged SDPA |"
+        + (" max err |" if args.check else ""),
+        "| --- |" + " ---: |" * (14 + bool(args.check)),
     ]
     for r in rows:
         line = (f"| {r['format']} | {r['batch']} | {r['context']} | {r['splits']} | {r['fd_us']:.1f} | "
                 f"{r['fd_eager_us']:.1f} | {r['kv_mb']:.1f} | {r['fd_gbs']:.0f} | {r['fd_pct']:.0f}% | "
                 f"{r['sdpa_us']:.1f} | {r['sdpa_eager_us']:.1f} | {r['sdpa_pct']:.0f}% | "
-                f"{r['fd_us'] / r['sdpa_us']:.2f} |")
+                f"{r['fd_us'] / r['sdpa_us']:.2f} | {r['paged_us']:.1f} | {r['fd_us'] / r['paged_us']:.2f} |")
         if args.check:
             line += f" {r['max_err']:.2e} |"
         lines.append(line)
@@ -214,7 +229,8 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(f"{name} batch {batch:3d} ctx {ctx:6d} splits {r['splits']:3d}: {r['fd_us']:9.1f} us "
                       f"(eager {r['fd_eager_us']:7.1f}) {r['fd_pct']:5.1f}% of copy | SDPA {r['sdpa_us']:9.1f} us "
-                      f"(eager {r['sdpa_eager_us']:7.1f}) {r['sdpa_pct']:5.1f}%", flush=True)
+                      f"(eager {r['sdpa_eager_us']:7.1f}) {r['sdpa_pct']:5.1f}% | paged SDPA {r['paged_us']:9.1f} us",
+                      flush=True)
     out = pathlib.Path(args.out) if args.out else (
         ROOT / "bench" / "results" / f"gpu-{re.sub(r'[^A-Za-z0-9._-]+', '-', device).strip('-')}.md")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -48,16 +48,16 @@ PROMPT = "The history of the printing press begins"
 NEW = 128
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
 
-def _timed(fn, device: str) -> float:
-    _sync(device)
+def timed(fn, device: str) -> float:
+    sync(device)
     t0 = time.perf_counter()
     fn()
-    _sync(device)
+    sync(device)
     return time.perf_counter() - t0
 
 
@@ -66,7 +66,7 @@ def decode_rate(run, device: str, repeats: int) -> float:
     run(2)  # warm-up: graphs captured, kernels compiled, allocator primed
     rates = []
     for _ in range(repeats):
-        long, short = _timed(lambda: run(NEW + 1), device), _timed(lambda: run(1), device)
+        long, short = timed(lambda: run(NEW + 1), device), timed(lambda: run(1), device)
         rates.append(NEW / (long - short))
     return statistics.median(rates)
 
@@ -104,7 +104,7 @@ def streams(model_tok, device: str, n: int, new: int = 64) -> float:
         params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
         prompts = [f"Story number {i}: once upon a time, in a town called {chr(65 + i % 26)}ville," for i in range(n)]
         gen.batch_generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
-        wall = _timed(lambda: gen.batch_generate(prompts, params), device)
+        wall = timed(lambda: gen.batch_generate(prompts, params), device)
         return n * new / wall
     finally:
         gen.close()

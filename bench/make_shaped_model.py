@@ -1,7 +1,12 @@
 """An HF folder of a real model's shape with random weights, for the bench's large files.
 
-    python bench/make_shaped_model.py {1.7b,8b} OUT_FOLDER
-    python bench/make_shaped_model.py {llama,mistral,qwen2,qwen3,gemma2,gemma3,phi3,mamba2} OUT_FOLDER
+    python bench/make_shaped_model.py {1.7b,8b} OUT_FOLDER [--device cuda] [--tokenizer FOLDER]
+    python bench/make_shaped_model.py {llama,mistral,qwen2,qwen3,gemma2,gemma3,phi3,mamba2} OUT_FOLDER [...]
+
+--device: where the random numbers are drawn (cuda: an 8B model's 7B draws in seconds, not minutes;
+other values than the CPU's for the same seed). --tokenizer: a folder holding the tokenizer that
+`save_pretrained` wrote, instead of reading it from the embedded GGUF (bench/gpu_session.sh carries
+one to a GPU machine).
 
 Only speed and memory mean something on these models: the weights are random (normal, std 0.02,
 bf16), the tokenizer is the embedded SmolLM2's (49152 tokens), so the 8B shape is Llama 3.1 8B's
@@ -77,13 +82,28 @@ FAMILY_SHAPES = {
 MODEL_TYPES = {"gemma3": "gemma3_text"}  # transformers' model type where it is not the GGUF family
 
 
-def family_main(family: str, out: str) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def _tokenizer(folder: str | None):
+    """The embedded SmolLM2's tokenizer (transformers'), from a saved folder or the GGUF itself."""
+    from transformers import AutoTokenizer
 
+    if folder:
+        return AutoTokenizer.from_pretrained(folder)
     from kvgen.engine.model_files import embedded_model_path
 
     src = embedded_model_path()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(src), gguf_file=os.path.basename(src))
+    return AutoTokenizer.from_pretrained(os.path.dirname(src), gguf_file=os.path.basename(src))
+
+
+def _normal(device: str):
+    """shape -> bf16 CPU tensor of normal(0, 0.02) draws from a generator seeded 0 on `device`."""
+    g = torch.Generator(device).manual_seed(0)
+    return lambda *shape: (torch.randn(*shape, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
+
+
+def family_main(family: str, out: str, device: str = "cpu", tokenizer: str | None = None) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tok = _tokenizer(tokenizer)
     real, real_layers, shape = FAMILY_SHAPES[family]
     cfg = AutoConfig.for_model(MODEL_TYPES.get(family, family), **{
         "vocab_size": len(tok), "max_position_embeddings": 8192, "bos_token_id": tok.bos_token_id,
@@ -112,12 +132,12 @@ def family_main(family: str, out: str) -> None:
         i = int(parts[parts.index("layers") + 1]) + 1 if "layers" in parts else 0
         groups.setdefault(i, {})[name] = tuple(p.shape)
     del model
-    g = torch.Generator().manual_seed(0)
+    normal = _normal(device)
 
     def make(name, shape):  # norms 1 (gemma's (1 + w): 2), the rest normal, std 0.02 (mamba2's A_log too: A ~ -1)
         if "norm" in name:
             return torch.ones(shape, dtype=torch.bfloat16)
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+        return normal(*shape)
 
     n = len(groups)
     names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -134,24 +154,18 @@ def family_main(family: str, out: str) -> None:
           f"{params / 1e9:.2f}B parameters ({total / 2**30:.2f} GiB of bf16) in {n} shards")
 
 
-def main(shape: str, out: str) -> None:
-    from transformers import AutoTokenizer, LlamaConfig
+def main(shape: str, out: str, device: str = "cpu", tokenizer: str | None = None) -> None:
+    from transformers import LlamaConfig
 
-    from kvgen.engine.model_files import embedded_model_path
-
-    src = embedded_model_path()
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(src), gguf_file=os.path.basename(src))
+    tok = _tokenizer(tokenizer)
     cfg = LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=len(tok), max_position_embeddings=8192,
                       rms_norm_eps=1e-5, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       torch_dtype="bfloat16", **SHAPES[shape])
     os.makedirs(out, exist_ok=True)
     cfg.save_pretrained(out)
     tok.save_pretrained(out)
-    g = torch.Generator().manual_seed(0)
+    rand = _normal(device)
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
-
-    def rand(*shape):
-        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
 
     def ones(n):
         return torch.ones(n, dtype=torch.bfloat16)
@@ -182,6 +196,12 @@ def main(shape: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] not in (*SHAPES, *FAMILY_SHAPES):
-        raise SystemExit(__doc__)
-    (main if sys.argv[1] in SHAPES else family_main)(sys.argv[1], sys.argv[2])
+    import argparse
+
+    p = argparse.ArgumentParser(usage=__doc__)
+    p.add_argument("shape", choices=[*SHAPES, *FAMILY_SHAPES])
+    p.add_argument("out")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer", default=None)
+    a = p.parse_args()
+    (main if a.shape in SHAPES else family_main)(a.shape, a.out, a.device, a.tokenizer)

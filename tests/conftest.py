@@ -55,6 +55,7 @@ HEAVY_FILES = {
     "tests/cpu/test_kernel_cache.py": "kernel builds in fresh processes and caches",
     "tests/engine/speculative/test_lossless.py": "speculative decoding end to end, every drafter (~2 min)",
     "tests/engine/speculative/test_eagle_training.py": "trains an EAGLE head",
+    "tests/test_require_gpu.py": "pytest in subprocesses, with and without KVGEN_REQUIRE_GPU",
 }
 
 SERIAL = {
@@ -70,11 +71,26 @@ SERIAL = {
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).resolve().parent.parent
     for item in items:
-        rel = Path(item.fspath).resolve().relative_to(root).as_posix()
+        path = Path(item.fspath).resolve()
+        if not path.is_relative_to(root):  # a suite written to a temp dir (tests/test_require_gpu.py)
+            continue
+        rel = path.relative_to(root).as_posix()
         if REAL_MODEL & set(item.fixturenames) or rel in HEAVY_FILES:
             item.add_marker(pytest.mark.heavy)
         if rel in SERIAL:
             item.add_marker(pytest.mark.serial)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """KVGEN_REQUIRE_GPU (`make test-gpu` sets it): a `gpu` test that skips fails instead, so a run
+    without a device, CuPy or Numba's CUDA target cannot pass by skipping everything."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and os.environ.get("KVGEN_REQUIRE_GPU") and item.get_closest_marker("gpu"):
+        why = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"KVGEN_REQUIRE_GPU is set and this GPU test skipped: {why}"
 
 
 def free_port() -> int:

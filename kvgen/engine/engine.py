@@ -16,10 +16,11 @@ import time
 import torch
 
 from kvgen.engine.constraint import Masks
+from kvgen.engine.delivery import batched_delivery
 from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model import Model
 from kvgen.engine.model_runner import ModelRunner
-from kvgen.engine.sampling import sample, token_logprobs
+from kvgen.engine.sampling import Sampled, sample, token_logprobs
 from kvgen.engine.scheduler import Scheduler
 from kvgen.engine.sequence import FinishReason, Sequence
 from kvgen.engine.speculative import DraftEconomy, accept, draft_cap, worth_catching_up
@@ -72,6 +73,9 @@ class Engine:
         self.draft_tokens = draft_tokens
         self.draft_max_batch = draft_max_batch
         self.runner.keep_features = drafter is not None and drafter.wants_features
+        # On a GPU, a batch that only wants argmaxes takes them there: one id a row crosses to the host,
+        # not a row of logits (256 rows of a 49k vocabulary are 50 MB, a few ms a step)
+        self.device_argmax = self.runner.device.type != "cpu"
         self.economy = DraftEconomy()  # measured: whether a drafted token saves more than it costs
         self.drafted_tokens = self.accepted_tokens = 0  # totals, for benchmarks and GetModelInfo-style reports
 
@@ -145,12 +149,13 @@ class Engine:
                     self._progress_at = time.monotonic()  # woken: idle time is not a stall
                 if self._stop:
                     return
-            try:
-                self.step()
-            except Exception as e:  # a broken step must not hang every stream
-                log.exception("engine step failed")
-                for seq in [*self.scheduler.running]:
-                    self._retire(seq, FinishReason.ABORTED, error=e)
+            with batched_delivery():  # the step's events reach each caller's loop together (delivery.py)
+                try:
+                    self.step()
+                except Exception as e:  # a broken step must not hang every stream
+                    log.exception("engine step failed")
+                    for seq in [*self.scheduler.running]:
+                        self._retire(seq, FinishReason.ABORTED, error=e)
             self._progress_at = time.monotonic()
 
     def _take_inbox(self) -> None:
@@ -198,8 +203,11 @@ class Engine:
         have = {seq: row for row, seq in enumerate(ahead[0])} if ahead else {}
         todo = [seq for seq in constrained if seq not in have]
         masks = self.masks.start([seq.matcher for seq in todo]) if todo else None
+        argmax_on_device = self.device_argmax and all(
+            seq.params.plain_greedy and not seq.draft and not seq.forks for seq, _ in batch)
         try:
-            logits = self.runner.run(batch)  # float32, on the CPU: sampling uses per-sequence torch.Generators
+            # float32; on the CPU unless argmax_on_device: sampling uses per-sequence torch.Generators
+            logits = self.runner.run(batch, on_host=not argmax_on_device)
             if self.drafter is not None and all(n == 1 + len(seq.draft) for seq, n in batch):
                 self.economy.record_step(time.perf_counter() - t0, sum(n for _, n in batch))  # a decode step's cost
         finally:  # waited for on failure too: no matcher may still be in use when tokens are fed to them
@@ -224,10 +232,14 @@ class Engine:
             self.on_step(batch, time.perf_counter() - t0)
         if ready:
             seqs = [batch[i][0] for i in ready]
-            picked = sample(logits[ready], [s.params for s in seqs], [s.rng for s in seqs],
-                            [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs],
-                            outputs=[s.output_ids for s in seqs], stops=[s.stop_ids for s in seqs],
-                            bitmask=bitmask, masked=masked)
+            rows = logits if len(ready) == len(logits) else logits[ready]  # (ready is ascending: all = in order)
+            if argmax_on_device:  # (what sample() gives rows that ask for nothing but greedy)
+                picked = [Sampled(t) for t in rows.max(dim=-1).indices.tolist()]
+            else:
+                picked = sample(rows, [s.params for s in seqs], [s.rng for s in seqs],
+                                [s.tokens if s.params.repetition_penalty != 1.0 else [] for s in seqs],
+                                outputs=[s.output_ids for s in seqs], stops=[s.stop_ids for s in seqs],
+                                bitmask=bitmask, masked=masked)
             # constrained rows first: once their tokens are fed to their matchers, the next
             # step's masks start on the masks' thread, while the rest is emitted and scheduled
             for j in [*masked, *(j for j in range(len(seqs)) if j not in masked)]:

@@ -269,15 +269,19 @@ def held_bytes(arrays, linears) -> int:
     return total
 
 
-def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: Mapping | None) -> str:
+def resolve_weight_dtype(weight_dtype: str, device: torch.device, blocks: Mapping | None,
+                         file_types: Mapping[str, int] | None = None) -> str:
     """auto: on the CPU, blocks where the file gives them: a GGUF's own (the bytes of a Q4 file, the
     fidelity of fp32), and the Q8_0 blocks made at load of a bf16 / fp16 model's matrices (an HF folder's, a
-    GGUF's F16 / BF16: float_weights.py says why those and not bf16); else (an fp32 file) fp32; on CUDA,
-    fp32 (the kernels' reference path)."""
+    GGUF's F16 / BF16: float_weights.py says why those and not bf16); else (an fp32 file) fp32. On a GPU,
+    bf16 where the file holds anything narrower than fp32 (file_types: its tensor types, ModelConfig's): half
+    the bytes a decode step reads, as GPU servers run them; an fp32 file (or none named) stays fp32."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+    if weight_dtype == "auto" and device.type != "cpu":
+        return "bf16" if set(file_types or ()) - {"F32", "F64"} else "fp32"
     if weight_dtype == "auto":
-        return "gguf" if device.type == "cpu" and blocks else "fp32"
+        return "gguf" if blocks else "fp32"
     if weight_dtype == "gguf" and not blocks:
         raise ValueError("weight dtype 'gguf' keeps a GGUF file's quantized blocks (Q4_0 ... Q6_K: "
                          "kvgen/cpu/weight_blocks.py's BLOCK_TYPES) or makes Q8_0 blocks of bf16 / fp16 matrices, "
@@ -295,7 +299,7 @@ class Model:
         (source["embedding_rows"], a TokenEmbedding). Each tensor is looked up in weights (and blocks)
         once at most: model_files' mappings make it anew on every lookup."""
         device = torch.device(device)
-        weight_dtype = resolve_weight_dtype(weight_dtype, device, blocks)
+        weight_dtype = resolve_weight_dtype(weight_dtype, device, blocks, cfg.tensor_types)
         if device.type != "cpu":
             _check_device_dtype(weight_dtype, device)
         self.device = torch.device("cpu")

@@ -159,15 +159,18 @@ class ModelRunner:
             return "torch", "the fused step is turned off"
         return "torch", FusedDecode.why_not(model, self.fmt) or ""
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, on_host: bool = True) -> torch.Tensor:
         """Logits [len(batch), vocab], float32 on the CPU (valid until the next call), of each
-        sequence's last new token; writes the new tokens' K/V into the store. Sequences that
-        asked for prompt logprobs also get the logits of their prompt positions in this step,
-        in self.prompt_logits (seq -> [m, vocab], predicting prompt tokens start+1 .. start+m);
+        sequence's last new token (on_host False: where the model ran, for a caller that reduces them
+        there; only for a batch with neither drafts nor prompt logprobs); writes the new tokens' K/V
+        into the store. Sequences that asked for prompt logprobs also get the logits of their prompt
+        positions in this step, in self.prompt_logits (seq -> [m, vocab], predicting prompt tokens start+1 .. start+m);
         sequences with a draft (speculative decoding: the step feeds their last token and the
         drafted ones) get the logits of every position but the last in self.draft_logits."""
         self.prompt_logits, self.draft_logits, self.features = {}, {}, {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
+        if not on_host and any(m for _, _, m in wanted):
+            raise ValueError("logits left on the device for a batch with drafts or prompt logprobs")
         fusable = [i for i, w in enumerate(wanted) if self._fusable(*w)]
         if fusable and len(fusable) == len(wanted):
             logits = self._fused_step(wanted)
@@ -178,7 +181,8 @@ class ModelRunner:
             logits = self._decode_with_kernels(batch)
         else:
             logits = self._forward(batch, wanted)
-        logits = logits.cpu() if logits.is_cuda else logits  # sampling runs on the CPU
+        if on_host and logits.is_cuda:
+            logits = logits.cpu()  # sampling runs on the CPU
         at = len(batch)
         for seq, _, m in wanted:
             if m:

@@ -16,7 +16,8 @@ def setting(default, doc: str, shown: str | None = None):
 @dataclass(slots=True)
 class EngineOptions:
     weight_dtype: str = setting("auto", "weight storage: auto (on the CPU a GGUF's own blocks, Q8_0 blocks of bf16 / "
-                                        "fp16 matrices, else fp32), gguf, fp32, bf16, int8 or int4")
+                                        "fp16 matrices, else fp32; on CUDA bf16 unless the file is fp32), gguf, "
+                                        "fp32, bf16, int8 or int4")
     cpu_activations: str = setting("", "the CPU block kernels' activations for q4 weights (Q4_0, Q4_1, Q4_K): "
                                        "int16 (rounding 2^-16 of a block's largest) or int8 (llama.cpp's rounding, "
                                        "~1.75x the multiply-adds from 4 rows up; AVX512-VNNI only); read when "
@@ -61,8 +62,8 @@ class EngineOptions:
     draft_model: str = setting("", "the drafting model for SPECULATIVE=draft: a GGUF file or HF folder with the "
                                    "target's vocabulary (empty: the served model itself)", shown="the served model")
     draft_weight_dtype: str = setting("auto", "the draft model's weight storage, as WEIGHT_DTYPE: auto (on the CPU a "
-                                              "GGUF's own blocks, Q8_0 blocks of bf16 / fp16 matrices, else fp32), "
-                                              "fp32, bf16, int8, int4 or gguf")
+                                              "GGUF's own blocks, Q8_0 blocks of bf16 / fp16 matrices, else fp32; on "
+                                              "CUDA bf16 unless the file is fp32), fp32, bf16, int8, int4 or gguf")
     draft_kv_mb: float = setting(128.0, "memory for the draft model's (or EAGLE head's) own KV block pool, MB")
     eagle_head: str = setting("", "the EAGLE head of SPECULATIVE=eagle: a .safetensors file (or a folder with "
                                   "model.safetensors) in EAGLE-1's layout, sized for the served model", shown="(none)")

@@ -2,9 +2,10 @@
 engine has let go of its KV blocks.
 
 A Request lives on the event loop that submitted it. The engine thread hands it events with
-`loop.call_soon_threadsafe`, so nothing here ever blocks the loop: a consumer that stops early
-only cancels (a flag the engine reads between steps), and whoever needs the blocks back (a
-session's next turn) awaits `released()`. Nothing is held while a client reads.
+`loop.call_soon_threadsafe` (delivery.py: a step's events at once), so nothing here ever blocks
+the loop: a consumer that stops early only cancels (a flag the engine reads between steps), and
+whoever needs the blocks back (a session's next turn) awaits `released()`. Nothing is held while
+a client reads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from kvgen.engine import delivery
 from kvgen.engine.sequence import Event, Sequence
 from kvgen.errors import ClientTooSlow
 
@@ -83,10 +85,7 @@ class Request:
         self._call(self._released.set)
 
     def _call(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening any more
-            pass
+        delivery.call(self._loop, fn, *args)  # (held until the end of the engine's step: delivery.py)
 
     def _push(self, ev: Event) -> None:
         self.text += ev.text

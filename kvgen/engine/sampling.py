@@ -91,6 +91,14 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing else asked: the raw logits' argmax is the whole answer (on a GPU the
+        engine takes it there and copies one id a row back, not the row's logits)."""
+        return (self.temperature == 0 and not self.logprobs and not self.logit_bias and self.repetition_penalty == 1.0
+                and not self.presence_penalty and not self.frequency_penalty and not self.min_new_tokens
+                and self.constraint is None and self.prompt_logprobs is None and self.n == 1)
+
 
 @dataclass(slots=True)
 class Sampled:

@@ -35,9 +35,10 @@ class StateRunner:
         self.decode_path, self.decode_path_reason = "torch", model.torch_attention_why
         log.info("decode steps run %s's torch forward: %s", model.cfg.architecture, self.decode_path_reason)
 
-    def run(self, batch: Batch) -> torch.Tensor:
+    def run(self, batch: Batch, on_host: bool = True) -> torch.Tensor:
         """Logits [len(batch), vocab] of each sequence's last new token, then (in batch order) the prompt
-        positions' logits asked for, as ModelRunner.run; each sequence's state moves on by its n tokens."""
+        positions' logits asked for, as ModelRunner.run; each sequence's state moves on by its n tokens.
+        (on_host: ModelRunner.run's; a state model runs on the CPU only, so its logits are there.)"""
         self.prompt_logits = {}
         wanted = [(seq, n, _extra_rows(seq, n)) for seq, n in batch]
         if any(seq.draft for seq, _, _ in wanted):

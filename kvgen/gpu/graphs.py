@@ -13,7 +13,7 @@ step once per bucket and afterwards replays it with one launch:
                          inplace=("seq_lens",))                           # step advances it
     logits = runner({"tokens": tokens, "positions": pos, "block_tables": bt, "seq_lens": lens})
 
-A call with batch n picks the smallest bucket >= n (1, 2, 4, 8, 16, 32, 64 by default), copies
+A call with batch n picks the smallest bucket >= n (1, 2, 4, ... 256 by default), copies
 the inputs into that bucket's static tensors, fills rows n.. with the pad values, replays the
 graph and returns the outputs' first n rows. Batches above the largest bucket, and every call
 while `enabled` is False (the on/off switch), run `step` eagerly on the inputs themselves.
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # up to MAX_RUNNING 256: a step at any load replays a graph
 
 
 def buckets_for(max_rows: int, base: Sequence[int] = BUCKETS) -> tuple[int, ...]:
@@ -123,6 +123,10 @@ class GraphRunner:
         self.warmup = warmup
         self._graphs: dict[int, _Captured] = {}
         self._pool = None
+        # a list: each replay appends (bucket, start, end), CUDA events around it on the stream, so
+        # end.elapsed_time(start) is the GPU's time for the step (what a benchmark sets, to tell the
+        # GPU's busy time from the time between steps); None: nothing recorded
+        self.timings: list[tuple[int, Any, Any]] | None = None
 
     def bucket_for(self, n: int) -> int | None:
         """Smallest bucket holding n rows, or None (run eagerly)."""
@@ -146,7 +150,14 @@ class GraphRunner:
         if entry is None:
             entry = self._capture(bucket, inputs)
         self._fill(entry.static, inputs, n)
-        entry.replay()
+        if self.timings is not None and entry.graph is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            entry.replay()
+            end.record()
+            self.timings.append((bucket, start, end))
+        else:
+            entry.replay()
         for name in self.inplace:
             inputs[name].copy_(entry.static[name][:n])
         return _slice(entry.outputs, bucket, n)

@@ -281,17 +281,56 @@ def test_quantized_kv_mostly_agrees_with_cpu(embedded, cuda_model, oracle_ids, c
 
 
 @pytest.mark.parametrize("kv", ("fp32", "fp8"))
-@pytest.mark.parametrize("batch", (1, 3, 8))
+@pytest.mark.parametrize("batch", (1, 3, 8, 100))
 def test_graphs_on_equals_off(cuda_model, oracle_ids, kv, batch):
-    prompts = (oracle_ids + [oracle_ids[0][:3]])[:batch]
+    pool = oracle_ids + [oracle_ids[0][:3]]
+    prompts = [pool[i % len(pool)] for i in range(batch)]
     # different lengths: the batch shrinks as sequences finish, crossing buckets
-    params = [SamplingParams(temperature=0, max_new_tokens=max(1, N_NEW - 3 * i), ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_new_tokens=max(1, N_NEW - 3 * i % N_NEW), ignore_eos=True)
               for i in range(batch)]
-    on, gen_on = _cuda_greedy(cuda_model, prompts, params, kv_dtype=kv, cuda_graphs=True)
-    off, gen_off = _cuda_greedy(cuda_model, prompts, params, kv_dtype=kv, cuda_graphs=False)
+    on, gen_on = _cuda_greedy(cuda_model, prompts, params, kv_dtype=kv, cuda_graphs=True, max_running=128)
+    off, gen_off = _cuda_greedy(cuda_model, prompts, params, kv_dtype=kv, cuda_graphs=False, max_running=128)
     assert gen_on.engine.runner.graphs.captured and not gen_off.engine.runner.graphs.captured
-    assert {1: 1, 3: 4, 8: 8}[batch] in gen_on.engine.runner.graphs.captured
+    assert {1: 1, 3: 4, 8: 8, 100: 128}[batch] in gen_on.engine.runner.graphs.captured
+    assert gen_on.engine.device_argmax  # plain greedy rows: argmaxes taken on the GPU
     assert on == off
+
+
+def test_a_session_on_cuda_continues_as_one_request(cuda_model):
+    """A raw session's second turn computes only its new tokens over the first turn's cached KV, and
+    gives the tokens a fresh request of the whole conversation gives."""
+    tok = cuda_model[1]
+    first_ids, second_ids = tok.encode("The history of the printing press"), tok.encode(" In short,")
+    gen = Generator(*cuda_model, EngineOptions(device="cuda", kv_cache_mb=64, kv_dtype="fp32", prefix_cache=False))
+    try:
+        s = gen.new_session()
+        first = s.generate(first_ids, GREEDY)
+        second = s.generate(second_ids, GREEDY)
+        assert second.usage.cached_tokens >= len(first_ids) + N_NEW - 1
+        fresh = gen.generate(first_ids + first.token_ids + second_ids, GREEDY)
+        assert fresh.usage.cached_tokens == 0
+        assert second.token_ids == fresh.token_ids
+    finally:
+        gen.close()
+
+
+def test_auto_weights_on_cuda_are_bf16_for_a_bf16_folder(tmp_path):
+    """WEIGHT_DTYPE auto on CUDA: an HF bf16 folder runs bf16 (half the bytes a step reads) through
+    the kernel decode step."""
+    from tests.tiny import tiny_bpe_tokenizer, write_hf_folder
+
+    cfg = tiny_config(layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, vocab=300, context=256)
+    write_hf_folder(tmp_path, cfg, {k: v.to(torch.bfloat16) for k, v in tiny_weights(cfg, seed=9).items()},
+                    tiny_bpe_tokenizer(300))
+    model, tok = load_model(str(tmp_path), "auto", "cuda")
+    assert model.weight_dtype == "bf16" and model.act_dtype == torch.bfloat16
+    gen = Generator(model, tok, EngineOptions(device="cuda", kv_cache_mb=32))
+    try:
+        assert gen.engine.runner.decode_path == "cuda-kernels"
+        assert len(gen.generate(tok.encode("hello there"), GREEDY).token_ids) == N_NEW
+        assert gen.engine.runner.graphs.captured
+    finally:
+        gen.close()
 
 
 # ---- the prefix cache and constrained decoding on CUDA ------------------------------------------

@@ -46,7 +46,9 @@ def test_buckets():
     assert buckets_for(64) == (1, 2, 4, 8, 16, 32, 64)
     assert buckets_for(5) == (1, 2, 4, 8)
     assert buckets_for(1) == (1,)
-    assert buckets_for(100) == (1, 2, 4, 8, 16, 32, 64)  # beyond: eager, unpadded
+    assert buckets_for(100) == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert buckets_for(256) == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # MAX_RUNNING 256: every load replays a graph
+    assert buckets_for(300) == (1, 2, 4, 8, 16, 32, 64, 128, 256)  # beyond: eager, unpadded
     runner = GraphRunner(lambda inputs: inputs, buckets=buckets_for(64))
     assert [runner.bucket_for(n) for n in (1, 2, 3, 5, 8, 9, 33, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 64, None]
 

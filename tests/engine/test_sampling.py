@@ -202,3 +202,13 @@ def test_inverse_cdf_sampling_keeps_the_warped_distribution_and_never_draws_zero
     expected = want[support] * counts.sum()
     chi2 = ((counts[support] - expected) ** 2 / expected).sum().item()
     assert chi2 < 27.88, chi2
+
+
+def test_plain_greedy_is_greedy_asking_for_nothing_else():
+    """The rows whose argmax the engine may take on the GPU: any other ask needs sample()."""
+    assert SamplingParams(temperature=0).plain_greedy
+    assert SamplingParams(temperature=0, max_new_tokens=9, stop_strings=["x"], ignore_eos=True, seed=4).plain_greedy
+    for other in (dict(temperature=0.7), dict(logprobs=1), dict(logit_bias={3: 1.0}), dict(repetition_penalty=1.1),
+                  dict(presence_penalty=0.5), dict(frequency_penalty=0.5), dict(min_new_tokens=2),
+                  dict(prompt_logprobs=0), dict(n=2)):
+        assert not SamplingParams(**{"temperature": 0, **other}).plain_greedy, other

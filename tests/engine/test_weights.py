@@ -27,3 +27,18 @@ def test_a_sequence_decodes_the_same_in_a_batch_as_alone(weights, batch):
     # dequantized weight gives other roundings, so only most tokens must agree
     same = sum(a == b for t, s in zip(together, alone, strict=True) for a, b in zip(t, s, strict=True))
     assert same == 12 * batch if batch <= SMALL_M or weights == "fp32" else same >= 0.75 * 12 * batch
+
+
+def test_auto_weight_dtype_follows_the_device_and_the_file():
+    """auto: on the CPU blocks where there are any, else fp32; on a GPU bf16 for a file of anything
+    narrower than fp32 (an HF bf16 folder, a GGUF's quantized blocks), fp32 for an fp32 file."""
+    from kvgen.engine.model import resolve_weight_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_weight_dtype("auto", cpu, {"w": object()}, {"Q4_1": 180, "F32": 61}) == "gguf"
+    assert resolve_weight_dtype("auto", cpu, None, {"F32": 10}) == "fp32"
+    assert resolve_weight_dtype("auto", cuda, None, {"BF16": 290}) == "bf16"
+    assert resolve_weight_dtype("auto", cuda, {"w": object()}, {"Q4_1": 180, "F32": 61}) == "bf16"
+    assert resolve_weight_dtype("auto", cuda, None, {"F32": 10}) == "fp32"
+    assert resolve_weight_dtype("auto", cuda, None, {}) == "fp32"  # a model made in memory names no types
+    assert resolve_weight_dtype("fp32", cuda, None, {"BF16": 290}) == "fp32"  # asked for, not auto

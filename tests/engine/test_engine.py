@@ -1,0 +1,74 @@
+"""The engine loop (kvgen/engine/engine.py): where a step's tokens are picked.
+
+On a GPU a batch whose every row is plain greedy takes its argmaxes on the device and copies one id
+a row back (Engine.device_argmax, set from the model's device). Here the switch is turned on over a
+CPU model, so the same branch runs on host tensors: its tokens must equal sample()'s, and one row
+that asks for more (logprobs, sampling) sends the whole batch through sample() again.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvgen.engine.generator import EngineOptions, Generator
+from kvgen.engine.model import Model
+from kvgen.engine.sampling import SamplingParams
+from kvgen.engine.tokenizer import TextTokenizer
+from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights
+
+PROMPTS = ["the cat sat on", "a b c d e f", "once upon a time there", "zz yy"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = TextTokenizer(tiny_bpe_tokenizer(300), CHATML_TEMPLATE, bos_id=None, add_bos=False,
+                        special_ids={0, 1, 2}, eos_token="<|im_end|>")
+    cfg = tiny_config(vocab=300, layers=2, hidden=128, heads=4, kv_heads=2, ffn=256, context=256)
+    return Model(cfg, tiny_weights(cfg, seed=7)), tok
+
+
+def _run(tiny, device_argmax: bool, params: list[SamplingParams]):
+    gen = Generator(*tiny, EngineOptions(kv_dtype="fp32"))
+    try:
+        assert gen.engine.device_argmax is False  # a CPU model samples on the host
+        gen.engine.device_argmax = device_argmax
+        calls = []
+        run = gen.engine.runner.run
+        gen.engine.runner.run = lambda batch, on_host=True: (calls.append(on_host), run(batch, on_host))[1]
+        return gen.bridge.run(_together(gen, params)), calls
+    finally:
+        gen.close()
+
+
+async def _together(gen, params):
+    """Every request in the engine's inbox before its next step (on a loaded machine it could otherwise
+    run the first alone: another batch, other float sums, another sampled token)."""
+    import asyncio
+
+    with gen.engine._cv:
+        reqs = [gen.submit(gen.tokenizer.encode(p), q) for p, q in zip(PROMPTS, params, strict=True)]
+    return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
+
+
+async def _ready(req):
+    return req
+
+
+def test_a_plain_greedy_batch_takes_its_argmaxes_where_the_logits_are(tiny):
+    greedy = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    host, host_calls = _run(tiny, False, [greedy] * 4)
+    there, there_calls = _run(tiny, True, [greedy] * 4)
+    assert all(host_calls) and not any(there_calls)  # the decode steps left the logits where they were
+    assert [e.token_ids for e in there] == [e.token_ids for e in host]
+
+
+def test_a_row_asking_for_more_than_the_argmax_samples_the_whole_batch_on_the_host(tiny):
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    logprobs = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, logprobs=2)
+    seeded = SamplingParams(temperature=0.8, seed=3, max_new_tokens=8, ignore_eos=True)
+    params = [greedy, logprobs, seeded, greedy]
+    host, _ = _run(tiny, False, params)
+    there, calls = _run(tiny, True, params)
+    assert all(calls)
+    assert [e.token_ids for e in there] == [e.token_ids for e in host]
+    assert there[1].logprobs and len(there[1].logprobs) == 8
