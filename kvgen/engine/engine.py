@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from kvgen.cpu.threads import use_threads
 from kvgen.engine.constraint import Masks
 from kvgen.engine.delivery import batched_delivery
 from kvgen.engine.kv.pool import BlockPool
@@ -36,8 +37,10 @@ STEADY_LAG = 2
 class Engine:
     def __init__(self, model: Model, pool: BlockPool, scheduler: Scheduler, window: int = 0, chunk: int = 0,
                  cuda_graphs: bool = True, max_waiting: int = 256, mask_threads: int = 1,
-                 drafter=None, speculate: bool = False, draft_tokens: int = 5, draft_max_batch: int = 8):
+                 drafter=None, speculate: bool = False, draft_tokens: int = 5, draft_max_batch: int = 8,
+                 threads: int = 0):
         self.model = model
+        self.threads = threads  # THREADS: the kernels' threads on the engine thread (0: every core)
         self.device = model.device  # where the model, the pool and a step's tensors live
         self.window = window  # sliding-window attention: blocks behind the window are freed
         self.chunk = chunk  # chunked attention: blocks of finished chunks are freed
@@ -142,6 +145,8 @@ class Engine:
     def _loop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # a new thread starts on device 0
+        if self.threads:
+            use_threads(self.threads)  # (Numba's count is per launching thread: this one's)
         while True:
             with self._cv:
                 while not (self._stop or self._inbox_full() or not self.idle):

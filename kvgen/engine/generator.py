@@ -219,7 +219,7 @@ class Generator:
                              drafter=None if recurrent else in_fresh_thread(_make_drafter, model, opts, model_path,
                                                                             draft_model),
                              speculate=opts.speculative != "off", draft_tokens=opts.speculative_tokens,
-                             draft_max_batch=opts.speculative_max_batch)
+                             draft_max_batch=opts.speculative_max_batch, threads=opts.threads)
         if recurrent and opts.kv_compress != "off":
             log.warning("KV_COMPRESS=%s does nothing for %s: it keeps no K/V", opts.kv_compress, cfg.architecture)
         kv.compressor = None if recurrent else make_compressor(

@@ -47,7 +47,7 @@ class EngineOptions:
     prefix_cache_tier_mb: float = setting(256.0, "host memory and disk for prefix-cache blocks moved out of the "
                                                  "pool; past it the least recently used are dropped")
     kv_cold_dir: str = setting("", "where cold blocks go (empty: a temp dir, removed on close)", shown="a temp dir")
-    threads: int = setting(0, "torch threads (0: every core)", shown="all cores")
+    threads: int = setting(0, "CPU threads for torch's ops and kvgen's kernels (0: every core)", shown="all cores")
     attention_window: int = setting(0, "sliding-window attention over the last N positions (0: the model's own)",
                                     shown="model's own")
     attention_chunk: int = setting(0, "chunked attention: each position sees only its own chunk of N (0: off)")

@@ -72,3 +72,18 @@ def test_a_row_asking_for_more_than_the_argmax_samples_the_whole_batch_on_the_ho
     assert all(calls)
     assert [e.token_ids for e in there] == [e.token_ids for e in host]
     assert there[1].logprobs and len(there[1].logprobs) == 8
+
+
+def test_threads_caps_the_kernels_threads_on_the_engine_thread(tiny):
+    """THREADS=1 holds the kernels (Numba's pool, counted per launching thread) to one thread on the thread
+    that launches them, as it holds torch's ops: co-located replicas must not spin against each other."""
+    import numba
+
+    seen = []
+    gen = Generator(*tiny, EngineOptions(kv_dtype="fp32", threads=1))
+    try:
+        gen.engine.on_step = lambda batch, dt: seen.append(numba.get_num_threads())
+        gen.generate("the cat", SamplingParams(temperature=0, max_new_tokens=2))
+    finally:
+        gen.close()
+    assert seen and set(seen) == {1}
