@@ -224,10 +224,9 @@ class Generator:
             log.warning("KV_COMPRESS=%s does nothing for %s: it keeps no K/V", opts.kv_compress, cfg.architecture)
         kv.compressor = None if recurrent else make_compressor(
             opts.kv_compress, opts.kv_compress_window, opts.kv_compress_ratio, self.pool.fmt.name,
-            attention_span=window or opts.attention_chunk, kernels=self.engine.runner.kernel_attention is not None)
+            attention_span=window or opts.attention_chunk)
         # why a request may not turn KV compression on here ("": it may)
-        self.kv_compress_unsupported = unsupported(self.pool.fmt.name, window or opts.attention_chunk,
-                                                   self.engine.runner.kernel_attention is not None)
+        self.kv_compress_unsupported = unsupported(self.pool.fmt.name, window or opts.attention_chunk)
         if recurrent:
             self.kv_compress_unsupported = f"a state-space model ({cfg.architecture}) keeps no K/V to compress"
         self.grammars = Grammars(tokenizer.tok, cfg.vocab_size, cfg.eos_token_ids, opts.constraint_cache)

@@ -177,7 +177,9 @@ class ModelRunner:
         elif fusable:
             logits = self._split_step(batch, wanted, fusable)
         elif self.kernel_attention is not None and not self.keep_features and all(
-                n == 1 and not m and _adapter(seq) is None for seq, n, m in wanted):
+                n == 1 and not m and _adapter(seq) is None and seq.cache.kv_start == 0 for seq, n, m in wanted):
+            # (a compressed table, kv_start > 0, holds fewer rows than positions: the kernels read `length`
+            # rows from the block table, torch attention reads it as a sliding window's)
             logits = self._decode_with_kernels(batch)
         else:
             logits = self._forward(batch, wanted)

@@ -373,6 +373,44 @@ def test_constrained_json_on_cuda(cuda_model):
         gen.close()
 
 
+def test_kv_compression_on_cuda(cuda_model):
+    """KV_COMPRESS on CUDA: a compressed table's steps run torch attention (the kernels read `length` rows
+    of a block table, which a compressed one no longer holds), the rest the kernels. A long prompt's
+    compressed request and an exact one in the same batch both finish, the first through compression."""
+    tok = cuda_model[1]
+    long = tok.encode("The printing press spread across Europe within decades. " * 40)[:320]
+    gen = Generator(*cuda_model, EngineOptions(device="cuda", kv_cache_mb=64, kv_dtype="fp32", prefix_cache=False,
+                                               kv_compress="sink-heavy", kv_compress_window=64))
+    try:
+        assert gen.kv_compress_unsupported == ""
+        from kvgen.engine.kv.compress import KVCompression
+
+        compressed: dict[int, int] = {}  # each sequence's most compressed rows, seen at its steps
+
+        def on_step(batch, dt):
+            for seq, _ in batch:
+                compressed[id(seq)] = max(compressed.get(id(seq), 0), seq.cache.kv_start)
+
+        gen.engine.on_step = on_step
+        out = gen.bridge.run(_two(gen, long, long[:100], KVCompression("off")))
+        assert [len(r.token_ids) for r in out] == [N_NEW, N_NEW]
+        assert sorted(compressed.values()) == [0, max(compressed.values())] and max(compressed.values()) > 0
+    finally:
+        gen.close()
+
+
+async def _two(gen, compressed, exact, off):
+    import asyncio
+
+    with gen.engine._cv:
+        reqs = [gen.submit(compressed, GREEDY), gen.submit(exact, GREEDY, kv_compress=off)]
+    return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
+
+
+async def _ready(req):
+    return req
+
+
 @pytest.mark.parametrize("mode", ("ngram", "draft", "eagle"))
 def test_speculative_decoding_on_cuda_equals_plain(cuda_model, oracle_ids, mode, tmp_path):
     """Prompt lookup, a draft model (the target itself: every draft is kept, so every check

@@ -252,6 +252,36 @@ async def _quiet(gen):
         await asyncio.sleep(0.01)
 
 
+@pytest.mark.parametrize("method", ["mean", "sink-heavy"])
+def test_on_the_kernel_path_a_compressed_table_steps_through_torch_attention(method):
+    """On a GPU the decode kernels read `length` rows from a block table, which a compressed table no
+    longer holds: its steps go to torch attention (model_runner), the others' to the kernels. Here the
+    kernels are model_runner's torch references (tests/engine/test_model_runner.py), so the path runs on
+    the CPU: the same tokens as the CPU engine, and the kernels took the steps before compression only."""
+    from kvgen.engine.model_runner import ModelRunner
+    from tests.engine.test_model_runner import RefKernels
+
+    class Counted(RefKernels):
+        starts: list[int] = []
+
+    def run(swap: bool) -> list[int]:
+        gen = _gen(method, prefix_cache=False)
+        try:
+            if swap:
+                runner = ModelRunner(MODEL, gen.pool.fmt, gen.pool.store, width=64, kernels=Counted)
+                seen = runner._decode_with_kernels
+                runner._decode_with_kernels = lambda batch: (
+                    Counted.starts.extend(seq.cache.kv_start for seq, _ in batch), seen(batch))[1]
+                gen.engine.runner = runner
+            return gen.generate(PROMPT[:WINDOW + 40], greedy(40)).token_ids
+        finally:
+            gen.close()
+
+    assert run(True) == run(False)
+    assert Counted.starts and set(Counted.starts) == {0}  # the kernels took uncompressed steps only
+    assert len(Counted.starts) < 40  # and the compressed ones went to torch attention
+
+
 def test_what_it_cannot_serve_is_refused_at_start():
     with pytest.raises(ValueError, match="KV_DTYPE"):
         _gen("mean", kv_dtype="q4")

@@ -30,8 +30,8 @@ Methods
 Where it runs: a compressed table's rows are fewer than its positions (kv_start = removed), which
 the torch attention path reads as it reads a sliding window's table; the fused CPU step takes
 only tables whose kv_start is 0, so a compressed sequence's steps run through Model.forward; the
-CUDA kernels read `length` rows from the block table, so the Generator refuses KV_COMPRESS where
-they serve the KV format (model_runner would have to send kv_start != 0 rows to the torch path).
+CUDA kernels read `length` rows from the block table, so on a GPU too a step with a compressed
+table runs Model.forward with torch attention (model_runner sends only kv_start 0 rows to the kernels).
 Plain formats only (fp32, fp16, bf16): a quantized format's exact tail (stage.py) keys its slots
 by position.
 
@@ -141,26 +141,23 @@ class KVCompression:
     ratio: float | None = None
 
 
-def unsupported(fmt_name: str, attention_span: int = 0, kernels: bool = False) -> str:
+def unsupported(fmt_name: str, attention_span: int = 0) -> str:
     """Why this server cannot compress a table (a quantized format, a sliding window or chunked
-    attention, the CUDA kernels' decode path); "" where it can."""
+    attention); "" where it can."""
     if fmt_name not in PLAIN:
         return f"needs KV_DTYPE fp32, fp16 or bf16 (not {fmt_name})"
     if attention_span:
         return "does not combine with a sliding window or chunked attention"
-    if kernels:
-        return ("runs on the torch attention path; the CUDA kernels serve this KV format (model_runner does not "
-                "yet send compressed tables to torch attention)")
     return ""
 
 
-def make_compressor(method: str, window: int, ratio: float, fmt_name: str, *, attention_span: int = 0,
-                    kernels: bool = False) -> KVCompressor | None:
+def make_compressor(method: str, window: int, ratio: float, fmt_name: str, *,
+                    attention_span: int = 0) -> KVCompressor | None:
     """The KVCompressor of the KV_COMPRESS settings (None: off). Refuses what it cannot serve:
-    a quantized format, a sliding window or chunked attention, the CUDA kernels' decode path."""
+    a quantized format, a sliding window or chunked attention."""
     if method == "off":
         return None
-    why = unsupported(fmt_name, attention_span, kernels)
+    why = unsupported(fmt_name, attention_span)
     if why:
         raise ValueError(f"KV_COMPRESS={method} {why}")
     return KVCompressor(method, window, ratio)
