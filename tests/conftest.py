@@ -93,6 +93,22 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"KVGEN_REQUIRE_GPU is set and this GPU test skipped: {why}"
 
 
+def run_together(gen: Generator, requests: list[tuple]) -> list:
+    """Each (token ids, SamplingParams, submit's keywords) handed to gen's engine while its inbox is held,
+    so all join the engine's next step (on a loaded machine it could otherwise finish the first before
+    the next is submitted); their events added up, in order, once the engine has let go of their blocks."""
+
+    async def go():
+        with gen.engine._cv:  # (a reentrant lock: submit takes it too)
+            reqs = [gen.submit(ids, params, **kw) for ids, params, kw in requests]
+        out = [await r.result() for r in reqs]
+        for r in reqs:
+            await r.released()
+        return out
+
+    return gen.bridge.run(go())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

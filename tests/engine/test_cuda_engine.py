@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from kvgen.engine.attention import Step
 from kvgen.engine.constraint import Constraint
 from kvgen.engine.generator import EngineOptions, Generator, load_model
+from kvgen.engine.kv.compress import KVCompression
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.paged import PagedKVCache
 from kvgen.engine.kv.pool import BlockPool
@@ -35,6 +36,7 @@ from kvgen.engine.model import Model
 from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import SamplingParams
+from tests.conftest import run_together
 from tests.engine.speculative.test_lossless import eagle_head
 from tests.engine.test_model_runner import _compare_decode, _prefill, _sequences
 from tests.engine.test_oracle import CHATS, RAW
@@ -383,8 +385,6 @@ def test_kv_compression_on_cuda(cuda_model):
                                                kv_compress="sink-heavy", kv_compress_window=64))
     try:
         assert gen.kv_compress_unsupported == ""
-        from kvgen.engine.kv.compress import KVCompression
-
         compressed: dict[int, int] = {}  # each sequence's most compressed rows, seen at its steps
 
         def on_step(batch, dt):
@@ -392,23 +392,12 @@ def test_kv_compression_on_cuda(cuda_model):
                 compressed[id(seq)] = max(compressed.get(id(seq), 0), seq.cache.kv_start)
 
         gen.engine.on_step = on_step
-        out = gen.bridge.run(_two(gen, long, long[:100], KVCompression("off")))
+        out = run_together(gen, [(long, GREEDY, {}), (long[:100], GREEDY, {"kv_compress": KVCompression("off")})])
         assert [len(r.token_ids) for r in out] == [N_NEW, N_NEW]
         assert sorted(compressed.values()) == [0, max(compressed.values())] and max(compressed.values()) > 0
     finally:
         gen.close()
 
-
-async def _two(gen, compressed, exact, off):
-    import asyncio
-
-    with gen.engine._cv:
-        reqs = [gen.submit(compressed, GREEDY), gen.submit(exact, GREEDY, kv_compress=off)]
-    return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
-
-
-async def _ready(req):
-    return req
 
 
 @pytest.mark.parametrize("mode", ("ngram", "draft", "eagle"))

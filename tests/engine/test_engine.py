@@ -14,6 +14,7 @@ from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.tokenizer import TextTokenizer
+from tests.conftest import run_together
 from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights
 
 PROMPTS = ["the cat sat on", "a b c d e f", "once upon a time there", "zz yy"]
@@ -35,23 +36,11 @@ def _run(tiny, device_argmax: bool, params: list[SamplingParams]):
         calls = []
         run = gen.engine.runner.run
         gen.engine.runner.run = lambda batch, on_host=True: (calls.append(on_host), run(batch, on_host))[1]
-        return gen.bridge.run(_together(gen, params)), calls
+        # one engine batch (alone, a row would sum its floats otherwise, and might sample another token)
+        requests = [(gen.tokenizer.encode(p), q, {}) for p, q in zip(PROMPTS, params, strict=True)]
+        return run_together(gen, requests), calls
     finally:
         gen.close()
-
-
-async def _together(gen, params):
-    """Every request in the engine's inbox before its next step (on a loaded machine it could otherwise
-    run the first alone: another batch, other float sums, another sampled token)."""
-    import asyncio
-
-    with gen.engine._cv:
-        reqs = [gen.submit(gen.tokenizer.encode(p), q) for p, q in zip(PROMPTS, params, strict=True)]
-    return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
-
-
-async def _ready(req):
-    return req
 
 
 def test_a_plain_greedy_batch_takes_its_argmaxes_where_the_logits_are(tiny):

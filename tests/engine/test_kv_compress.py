@@ -13,6 +13,7 @@ from kvgen.engine.kv.compress import CHUNK_BLOCKS, SINKS, KVCompression
 from kvgen.engine.model import Model
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.tokenizer import TextTokenizer
+from tests.conftest import run_together
 from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights
 
 BS = 16
@@ -215,7 +216,7 @@ def test_a_preempted_compressed_sequence_recomputes_and_blocks_come_back():
     gen = _gen("mean", prefix_cache=False, kv_cache_mb=0.625, token_budget=128)  # 40 blocks
     try:
         # each needs 40 blocks uncompressed, ~24 compressed at its end: together they do not fit
-        outs = gen.bridge.run(_both(gen, [PROMPT, list(reversed(PROMPT))], greedy(230)))
+        outs = run_together(gen, [(PROMPT, greedy(230), {}), (list(reversed(PROMPT)), greedy(230), {})])
         assert all(len(o.token_ids) == 230 for o in outs)
         assert gen.scheduler.preemptions > 0
         assert gen.pool.used == 0
@@ -229,18 +230,6 @@ def test_a_preempted_compressed_sequence_recomputes_and_blocks_come_back():
     finally:
         gen.close()
 
-
-async def _both(gen, prompts, params):
-    import asyncio
-
-    with gen.engine._cv:  # both in the inbox before the engine's next step takes it: they run together (on a
-        # loaded machine the engine could otherwise finish the first before the second was submitted)
-        reqs = [gen.submit(p, params) for p in prompts]
-    return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
-
-
-async def _ready(req):
-    return req
 
 
 async def _quiet(gen):
@@ -296,13 +285,7 @@ def test_what_it_cannot_serve_is_refused_at_start():
 
 def _run(gen: Generator, *requests: tuple[list[int], KVCompression | None], n: int = 16) -> list:
     """The requests submitted together (one engine batch), each one's events added up."""
-    import asyncio
-
-    async def go():
-        reqs = [gen.submit(ids, greedy(n, logprobs=2), kv_compress=choice) for ids, choice in requests]
-        return await asyncio.gather(*(gen.collect(_ready(r)) for r in reqs))
-
-    return gen.bridge.run(go())
+    return run_together(gen, [(ids, greedy(n, logprobs=2), {"kv_compress": choice}) for ids, choice in requests])
 
 
 def _same(a, b, exact: bool = True) -> None:

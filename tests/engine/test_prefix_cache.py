@@ -13,6 +13,7 @@ from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.sampling import SamplingParams
 from kvgen.v1 import generate_pb2 as pb
+from tests.conftest import run_together
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
@@ -154,17 +155,15 @@ def test_requests_arriving_together_compute_their_shared_start_once(make_gen):
     system = shared_prompt(on, 40)
     prompts = [system + on.tokenize(f" Question {i}: what is on shelf {i}?") for i in range(8)]
 
-    async def together(g):
-        with g.engine._cv:  # the engine thread takes the 8 in one go (a reentrant lock: submit takes it too)
-            reqs = [g.submit(p, GREEDY) for p in prompts]
-        return [await r.result() for r in reqs]
+    def together(g):  # the engine thread takes the 8 in one go
+        return run_together(g, [(p, GREEDY, {}) for p in prompts])
 
-    got = on.bridge.run(together(on))
+    got = together(on)
     cached = sorted(r.usage.cached_tokens for r in got)
     assert cached[0] == 0 and all(c >= 32 for c in cached[1:])  # the whole blocks of the 40, at least
-    assert [r.token_ids for r in got] == [r.token_ids for r in off.bridge.run(together(off))]
+    assert [r.token_ids for r in got] == [r.token_ids for r in together(off)]
     # with the cache off nothing can be shared: nobody waits (all 8 prefill in the first step)
     steps = []
     off.engine.on_step = lambda batch, dt: steps.append(len(batch))
-    off.bridge.run(together(off))
+    together(off)
     assert steps[0] == 8
