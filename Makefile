@@ -164,13 +164,15 @@ lora-adapter: $(STAMP)
 	test -f bench/.cache/adapters/json-lora/adapter_config.json || $(PY) bench/train_lora.py
 
 # seconds to SERVING (kernel cache warm and cold) next to llama-server's: bench/results/startup.md
-bench-activations: $(STAMP) $(STUBS)
-	bash bench/setup_llama_server.sh
-	$(PY) bench/activations.py
-
 bench-startup: $(STAMP) $(STUBS)
 	bash bench/setup_llama_server.sh
 	$(PY) bench/startup.py
+
+# greedy agreement with transformers for CPU_ACTIVATIONS int16 and int8, beside llama-server's:
+# bench/results/activations.md
+bench-activations: $(STAMP) $(STUBS)
+	bash bench/setup_llama_server.sh
+	$(PY) bench/activations.py
 
 bench-models: $(STAMP) $(STUBS)
 	MODELS=$(MODELS) bash bench/setup_models.sh

@@ -98,11 +98,16 @@ def transformers_decode(path: str, dtype: torch.dtype, device: str, repeats: int
     return decode_rate(run, device, repeats)
 
 
+def story_prompts(n: int) -> list[str]:
+    """n distinct prompts (the streams benchmarks' requests)."""
+    return [f"Story number {i}: once upon a time, in a town called {chr(65 + i % 26)}ville," for i in range(n)]
+
+
 def streams(model_tok, device: str, n: int, new: int = 64) -> float:
     gen = Generator(*model_tok, EngineOptions(device=device, kv_cache_mb=1024))
     try:
         params = SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-        prompts = [f"Story number {i}: once upon a time, in a town called {chr(65 + i % 26)}ville," for i in range(n)]
+        prompts = story_prompts(n)
         gen.batch_generate(prompts[:2], SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True))
         wall = timed(lambda: gen.batch_generate(prompts, params), device)
         return n * new / wall

@@ -44,16 +44,14 @@ import torch
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_engine import sync, timed  # noqa: E402
+from bench.gpu_engine import NEW, PROMPT, decode_rate, story_prompts, sync, timed  # noqa: E402
 from kvgen.engine.generator import EngineOptions, Generator, load_model  # noqa: E402
 from kvgen.engine.sampling import SamplingParams  # noqa: E402
 
 # size -> make_shaped_model.py's shape name
 SIZES = {"1b": "llama", "8b": "8b"}
-NEW = 128
 STREAMS = (1, 16, 64, 256)
 PROMPT_TOKENS = 2048
-PROMPT = "The history of the printing press begins"
 
 
 def copy_bandwidth(device: str, nbytes: int = 1 << 30) -> float:
@@ -174,18 +172,14 @@ def kvgen_section(rep: Report, size: str, folder: str, device: str, copy_bw: flo
             out = gen.generate(PROMPT, greedy(n))
             assert len(out.token_ids) == n
 
-        run(2)  # bucket 1 captured
-        rates = []
+        run(2)  # bucket 1 captured before the clock starts
         with StepClock(gen) as clock:
-            for _ in range(3):
-                long, short = timed(lambda: run(NEW + 1), device), timed(lambda: run(1), device)
-                rates.append(NEW / (long - short))
-        rate = statistics.median(rates)
+            rate = decode_rate(run, device, repeats=3)
         prompt_len = len(tok.encode(PROMPT))
         w, kv = read_bytes_per_step(model, prompt_len + NEW / 2)
         roof = copy_bw / (w + kv)
         busy, period = clock.busy_ms(1), clock.period_ms(1)
-        rep.put(f"{size}.decode", {"tok_s": rate, "rates": rates, "weight_read": w, "kv_read": kv,
+        rep.put(f"{size}.decode", {"tok_s": rate, "weight_read": w, "kv_read": kv,
                                    "roofline_tok_s": roof, "busy_ms": busy, "period_ms": period})
         rep.line("| batch-1 decode tok/s | roofline tok/s | % of roofline | step ms (host) | GPU busy ms | "
                  "GPU idle |")
@@ -202,8 +196,7 @@ def kvgen_section(rep: Report, size: str, folder: str, device: str, copy_bw: flo
             if time.time() > deadline:
                 rep.line(f"| {n} | not run: out of time | | | | |")
                 continue
-            prompts = [f"Story number {i}: once upon a time, in a town called {chr(65 + i % 26)}ville,"
-                       for i in range(n)]
+            prompts = story_prompts(n)
             gen.batch_generate(prompts, greedy(4))  # this load's bucket captured
             with StepClock(gen) as clock:
                 wall = timed(lambda p=prompts: gen.batch_generate(p, greedy(NEW)), device)
