@@ -33,6 +33,7 @@ from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvgen.server")
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+REFUSE_BEFORE_STOP_S = 0.5  # a drain's refusals before grpc.stop; see Server.drain
 
 
 def listen(engine, hook: str, fn) -> None:
@@ -145,8 +146,16 @@ class Server:
         # this same replica; arriving as grpc.stop begins, it would be CANCELLED.
         await asyncio.sleep(self.settings.drain_delay_s)
         self.servicer.draining = True
+        if self.http:
+            self.http.refuse()
+        # A call that reaches the servicer now is refused UNAVAILABLE, which clients and proxies retry
+        # elsewhere; one that lands as grpc.stop begins is CANCELLED instead, which they do not. So the
+        # servicer alone refuses for a moment first, taken out of the grace period.
+        refusing = min(REFUSE_BEFORE_STOP_S, self.settings.grace_s / 4)
+        await asyncio.sleep(refusing)
+        grace = self.settings.grace_s - refusing
         # both APIs drain at once, within the one grace period
-        await asyncio.gather(self.grpc.stop(self.settings.grace_s), *([self.http.stop()] if self.http else []))
+        await asyncio.gather(self.grpc.stop(grace), *([self.http.stop()] if self.http else []))
         if getattr(self, "_reaper", None):
             self._reaper.cancel()
         if self._watchdog:  # liveness stays SERVING through the drain; the watchdog ends with it

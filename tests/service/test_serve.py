@@ -105,7 +105,10 @@ def test_sigterm_drains_in_flight_streams():
         while True:  # until a call is refused: the drain has begun (the stub: no retries)
             try:
                 client.stub.Generate(probe, timeout=10)
-            except grpc.RpcError:
+            except grpc.RpcError as first:
+                # the first refusal is the servicer's, which a client may retry elsewhere: the server
+                # refuses alone for a moment before grpc's stop begins (server.REFUSE_BEFORE_STOP_S)
+                assert first.code() == grpc.StatusCode.UNAVAILABLE, first
                 break
             assert time.monotonic() < deadline, "calls were still served 30 s after SIGTERM"
         with pytest.raises(grpc.RpcError) as e:  # and so is every call from now on, never served

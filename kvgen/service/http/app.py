@@ -86,9 +86,13 @@ class HttpApi:
         self.port = self.runner.addresses[0][1]
         log.info("OpenAI-compatible HTTP on port %d", self.port)
 
+    def refuse(self) -> None:
+        """New calls get 503 from now on; in-flight ones go on."""
+        self.routes.draining = True
+
     async def stop(self) -> None:
         """Refuse new calls (503), stop listening, let in-flight ones finish within GRACE_S."""
-        self.routes.draining = True
+        self.refuse()
         await self.runner.cleanup()
 
     @web.middleware
