@@ -6,6 +6,7 @@ hundred torch calls: at 135M parameters, dispatch cost, not arithmetic, sets the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -121,10 +122,30 @@ def rope_tables(cfg: ModelConfig, max_pos: int, theta: float | None = None) -> t
         inv_freq = _llama3_scaling(inv_freq, scaling)
     elif kind == "factors":  # a GGUF's rope_freqs tensor: the same llama3 divisors, precomputed
         inv_freq = inv_freq / scaling["factors"].float()
+    elif kind in ("longrope", "su"):
+        return _longrope_tables(cfg, inv_freq, max_pos, scaling)
     elif kind not in (None, "default"):
-        raise UnsupportedModel(f"RoPE scaling {kind!r}, which kvgen does not run (it runs llama3, linear and none)")
+        raise UnsupportedModel(f"RoPE scaling {kind!r}, which kvgen does not run (it runs llama3, linear, "
+                               "longrope and none)")
     angles = torch.outer(torch.arange(max_pos, dtype=torch.float32), inv_freq)
     return torch.polar(torch.ones_like(angles), angles)
+
+
+def _longrope_tables(cfg: ModelConfig, inv_freq: torch.Tensor, max_pos: int, s: dict) -> torch.Tensor:
+    """Phi-3's LongRoPE (Phi-3.5-mini, Phi-3-mini-128k): per-frequency divisors, the short ones below the
+    original context and the long ones from it on, every rotation scaled by the attention factor.
+    Chosen per position, this is what transformers computes while decoding: keys cached below the original
+    context keep their short rotations, and each position from it on is rotated with the long factors.
+    (transformers' one forward over a prompt already past the original context rotates all its positions
+    with the long factors; llama.cpp takes the long ones for every position of a context set past it.)"""
+    orig = int(s["original_max_position_embeddings"])
+    factor = s.get("factor") or cfg.context_length / orig
+    attention = s.get("attention_factor") or (math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0)
+    pos = torch.arange(max_pos, dtype=torch.float32)
+    short = torch.outer(pos, inv_freq / torch.as_tensor(s["short_factor"], dtype=torch.float32))
+    long = torch.outer(pos, inv_freq / torch.as_tensor(s["long_factor"], dtype=torch.float32))
+    angles = torch.where((pos < orig)[:, None], short, long)
+    return torch.polar(torch.full_like(angles, attention), angles)
 
 
 def _llama3_scaling(inv_freq, s):
@@ -325,6 +346,10 @@ class Model:
         if weight_dtype == "gguf":
             compile_kernels()
         self.rot = rope_tables(cfg, cfg.context_length)
+        if (cfg.rope_scaling or {}).get("rope_type") in ("longrope", "su"):
+            # short rotations below the original context, long ones past it: they do not compose across
+            # it, so a context shift computes the moved keys again instead of re-rotating them
+            self.shift_keys = None
         # Gemma: windowed layers rotate with their own base; embeddings scaled by sqrt(hidden); queries by
         # query_pre_attn_scalar^-1/2 (SDPA divides by sqrt(head_dim): the ratio is folded into q); GELU-tanh
         self.rot_local = (rope_tables(cfg, cfg.context_length, cfg.local_rope_theta) if cfg.local_rope_theta
@@ -381,7 +406,8 @@ class Model:
     def shift_keys(self, k: torch.Tensor, delta: int) -> torch.Tensor:
         """Cached keys [..., KVH, D] (rotated at their positions p) as if computed at p - delta:
         RoPE rotations compose, so one more rotation by -delta (a context shift's re-rotation)."""
-        back = self.rot[delta].conj().to(k.device)[None, None]
+        rot = self.rot[delta]
+        back = (rot / rot.abs()).conj().to(k.device)[None, None]  # unit: a rotation may carry LongRoPE's scale
         return apply_rope(k.reshape(-1, *k.shape[-2:]), back).reshape(k.shape)
 
     def forward(self, input_ids: torch.Tensor, step: Step | KernelStep, fmt, store,

@@ -142,7 +142,7 @@ def _load_gguf(path: str):
     n_kv = int(_field(reader, p + "attention.head_count_kv", n_head))
     head_dim = int(_field(reader, p + "attention.key_length", n_embd // n_head))
     tokens = reader.fields["tokenizer.ggml.tokens"]
-    weights, blocks, rope_freqs, embedding_rows = {}, {}, None, None
+    weights, blocks, rope_freqs, embedding_rows, rope_factors = {}, {}, None, None, {}
     # every matrix's tiles in one buffer, which the fused decode step then reads as they are (weight_arena.py)
     # (an F16 / BF16 matrix's Q8_0 blocks, made at load, are copied in by the step: room is left for them)
     arena = WeightArena(sum(tile_bytes_bound(t.tensor_type.name if t.tensor_type.name in BLOCK_TYPES else "Q8_0",
@@ -170,8 +170,9 @@ def _load_gguf(path: str):
         elif t.name in _GGUF_TOP_NAMES:
             name = _GGUF_TOP_NAMES[t.name]
         elif t.name in ("rope_factors_long.weight", "rope_factors_short.weight"):
-            raise UnsupportedModel(f"{path} has Phi-3's long-context RoPE factors ({t.name}: su / longrope "
-                                   "scaling), which kvgen does not run")
+            # Phi-3's LongRoPE divisors (Phi-3.5-mini, Phi-3-mini-128k): model.rope_tables
+            rope_factors[t.name.split("_")[2].split(".")[0] + "_factor"] = _gguf_tensor(t, 0)
+            continue
         elif t.name == "rope_freqs.weight":
             # llama3-style per-frequency RoPE divisors, precomputed by the converter
             rope_freqs = _gguf_tensor(t, 0)
@@ -220,7 +221,7 @@ def _load_gguf(path: str):
         context_length=int(_field(reader, p + "context_length", 2048)),
         rms_norm_eps=float(_field(reader, p + "attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(_field(reader, p + "rope.freq_base", 10000.0)),
-        rope_scaling={"rope_type": "factors", "factors": rope_freqs} if rope_freqs is not None else None,
+        rope_scaling=_gguf_rope_scaling(reader, p, rope_freqs, rope_factors),
         tie_word_embeddings="lm_head.weight" not in weights,
         qkv_bias="model.layers.0.self_attn.q_proj.bias" in weights,
         bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
@@ -230,6 +231,24 @@ def _load_gguf(path: str):
         **gemma,
     )
     return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks), "embedding_rows": embedding_rows}
+
+
+def _gguf_rope_scaling(reader, p: str, rope_freqs, rope_factors: dict) -> dict | None:
+    """model.rope_tables' scaling from a GGUF: llama3's divisors precomputed (rope_freqs), or Phi-3's
+    LongRoPE short and long divisors with the original context and the attention factor the converter wrote."""
+    if rope_freqs is not None:
+        return {"rope_type": "factors", "factors": rope_freqs}
+    if not rope_factors:
+        return None
+    if set(rope_factors) != {"long_factor", "short_factor"}:
+        raise UnsupportedModel(f"LongRoPE needs both rope_factors_long and rope_factors_short; the file has "
+                               f"{sorted(rope_factors)}")
+    orig = _field(reader, p + "rope.scaling.original_context_length")
+    if orig is None:
+        raise UnsupportedModel("LongRoPE factors without rope.scaling.original_context_length")
+    attention = _field(reader, p + "rope.scaling.attn_factor")
+    return {"rope_type": "longrope", "original_max_position_embeddings": int(orig),
+            **({"attention_factor": float(attention)} if attention is not None else {}), **rope_factors}
 
 
 def _gguf_tensor(t, heads: int) -> torch.Tensor:
@@ -321,10 +340,14 @@ def _load_hf(folder: Path):
     if family == "gemma3":
         rope = rope.get("full_attention", rope)
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-    if family == "phi3" and (scaling or rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1)) != 1):
-        raise UnsupportedModel(f"{folder}: a phi3 model with RoPE scaling {scaling} / partial rotary factor "
-                               f"{rope.get('partial_rotary_factor', hf.get('partial_rotary_factor'))}: kvgen runs "
-                               "phi3 with plain RoPE over whole heads only (not su / longrope, Phi-3.5 / Phi-4-mini)")
+    if scaling and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su"):
+        # Phi-3.5-mini's config.json keeps the original context beside max_position_embeddings
+        scaling = {**scaling, "rope_type": "longrope", "original_max_position_embeddings": scaling.get(
+            "original_max_position_embeddings") or hf["original_max_position_embeddings"]}
+    rotary = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1))
+    if family == "phi3" and rotary != 1:
+        raise UnsupportedModel(f"{folder}: a phi3 model with partial rotary factor {rotary} (Phi-4-mini): kvgen "
+                               "runs phi3 with RoPE over whole heads only")
     tie = hf.get("tie_word_embeddings", "lm_head.weight" not in weights)
     cfg = ModelConfig(
         architecture=family,

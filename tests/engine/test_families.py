@@ -32,7 +32,6 @@ from kvgen.engine.attention import KernelStep
 from kvgen.engine.generator import Generator, load_model
 from kvgen.engine.kv.formats import make_format
 from kvgen.engine.kv.pool import BlockPool
-from kvgen.engine.model_config import UnsupportedModel
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.options import EngineOptions
 from kvgen.engine.sampling import SamplingParams
@@ -134,18 +133,6 @@ def test_llama3_rope_scaling_is_read_from_both_files(family):
     assert cfg.rope_scaling["rope_type"] == "llama3" and cfg.rope_scaling["factor"] == 8.0
     gcfg, _, _ = model_files.load(str(gguf))
     assert gcfg.rope_scaling["rope_type"] == "factors"  # the converter's rope_freqs tensor
-
-
-def test_phi3_long_rope_is_refused_by_name(hf_tokenizer, tmp_path):
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    half = 8  # head_dim 16 / 2
-    write_family_folder(tmp_path, "phi3", hf_tokenizer, rope_parameters={
-        "rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
-        "long_factor": [2.0] * half, "short_factor": [1.0] * half})
-    with pytest.raises(UnsupportedModel, match="longrope"):
-        model_files.load(str(tmp_path))
 
 
 def test_a_windowed_or_capped_model_never_takes_the_kernels(family):
