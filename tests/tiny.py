@@ -333,13 +333,19 @@ def family_model(family: str, vocab: int, seed: int = 0, **overrides):
     return model
 
 
+# The converter takes a gemma2 vocabulary from a sentencepiece tokenizer.model only, and refuses a qwen2
+# folder's BPE (transformers reads it as Qwen2Tokenizer, whose pre-tokenizer hash it does not know) but reads
+# a tokenizer.model first: those families' folders get one beside, so their GGUFs' vocabularies are its.
+SENTENCEPIECE_GGUF = ("gemma2", "qwen2")
+
+
 def write_family_folder(folder, family: str, tokenizer, seed: int = 0, **overrides):
     """An HF folder as transformers writes it (config.json, model.safetensors, generation_config.json)
     with `tokenizer` (a transformers tokenizer) saved beside; the model returned, for the oracle."""
     model = family_model(family, len(tokenizer), seed, **overrides)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    if family == "gemma2":  # the converter takes a gemma2 vocabulary from a sentencepiece tokenizer.model only
+    if family in SENTENCEPIECE_GGUF:
         write_sentencepiece_model(Path(folder) / "tokenizer.model")
     if family == "phi3":  # a BPE phi3, as Phi-4-mini ships: the converter takes its vocabulary by this class
         # (else it wants Phi-3's sentencepiece tokenizer.model)

@@ -15,9 +15,13 @@ embeddings, GELU-tanh and a final logit cap; gemma2 the same sandwich norms, sca
 windowed and global layers alternating, and its attention scores soft-capped (torch attention only: the
 kernels do not cap, so such a model never takes them) as well as its logits.
 
-gemma2's GGUF: llama.cpp's converter takes a gemma2 vocabulary only from a sentencepiece tokenizer.model
-(tests/tiny.py trains one), so that file's vocabulary is not the folder's: its weights and metadata are
-checked against the folder's by token ids (its sentencepiece vocabulary: test_tokenizer_sentencepiece.py).
+mistral has a sliding window on every layer (4096, past these sequences); qwen2 q/k/v biases. The converter
+writes a Mistral as llama, as Mistral's own GGUFs are.
+
+gemma2's and qwen2's GGUFs: llama.cpp's converter takes a gemma2 vocabulary only from a sentencepiece
+tokenizer.model, and refuses SmolLM2's BPE in a qwen2 folder (tests/tiny.py SENTENCEPIECE_GGUF), so those
+files' vocabularies are not the folders': their weights and metadata are checked against the folder's by
+token ids (their sentencepiece vocabulary: test_tokenizer_sentencepiece.py).
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from kvgen.engine.sampling import SamplingParams
 from tests.engine.test_model_files import all_logits
 from tests.engine.test_model_runner import RefKernels
 from tests.engine.test_oracle import CHATS, RAW, hf_greedy
-from tests.tiny import convert_to_gguf, smollm2_hf_tokenizer, write_family_folder
+from tests.tiny import SENTENCEPIECE_GGUF, convert_to_gguf, smollm2_hf_tokenizer, write_family_folder
 
-FAMILIES = ["llama", "qwen3", "phi3", "gemma3", "gemma2"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "gemma2"]
 PROMPTS = [*RAW, "Once upon a time, in a small village by the sea,", *CHATS]  # 8
 STEPS = 32
 # Both sides run fp32 over the same fp32 weights and differ only in the order of operations (RoPE as one
@@ -104,19 +108,20 @@ def test_logits_close_to_transformers(family):
 def test_the_converters_gguf_runs_the_folders_model(family):
     name, folder, hf, gguf = family
     ours, tok = load_model(str(folder), "fp32")
-    if name == "gemma2":  # a vocabulary of its own, the sentencepiece tokenizer.model's (module doc)
-        theirs, gtok = load_model(str(gguf), "fp32")
-        assert gtok.bos_id is not None and gtok.tok.id_to_token(gtok.bos_id) == "<s>"
+    theirs, gtok = load_model(str(gguf), "fp32")
+    # the converter writes a Mistral as llama, as Mistral's own GGUFs are
+    assert theirs.cfg.architecture == ("llama" if name == "mistral" else name)
+    if name == "gemma2":
         cfg = theirs.cfg
         assert cfg.layer_windows == ours.cfg.layer_windows == [8, 0, 8, 0]
         assert cfg.attn_logit_softcap == ours.cfg.attn_logit_softcap == 1.5
         assert cfg.final_logit_softcap == ours.cfg.final_logit_softcap == 5.0
+    if name in SENTENCEPIECE_GGUF:  # a vocabulary of its own, the sentencepiece tokenizer.model's (module doc)
+        assert gtok.bos_id is not None and gtok.tok.id_to_token(gtok.bos_id) == "<s>"
         ids = continuation(hf, tok.encode_chat(CHATS[0]))
         err = (all_logits(theirs, ids) - all_logits(ours, ids)).abs().max().item()
         assert err < LOGIT_TOL, f"{name}: GGUF against the folder: max |logit diff| {err}"
         return
-    theirs, gtok = load_model(str(gguf), "fp32")
-    assert theirs.cfg.architecture == name
     ids = continuation(hf, tok.encode_chat(CHATS[0]))
     err = (all_logits(theirs, ids) - all_logits(ours, ids)).abs().max().item()
     assert err < LOGIT_TOL, f"{name}: GGUF against the folder: max |logit diff| {err}"
