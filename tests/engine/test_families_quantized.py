@@ -16,7 +16,8 @@ position of a prompt and its continuation are transformers' within the kernels' 
 test_model_files_quants.py's block tests state it).
 
 Types rotate over the families, each family two types, each type at least one family (CASES), so
-the 12 types x 7 families cost 14 runs. Where fused_decode.ARCHITECTURES claims a family, the engine's
+`make test` runs 14 of the 12 types x 7 families; `make test-slow` runs the other 70 (REST).
+Where fused_decode.ARCHITECTURES claims a family, the engine's
 decode steps on its quantized files take the fused step (ModelRunner.decode_path, what GetModelInfo's
 decode_path reports); elsewhere they take Model.forward and say why.
 """
@@ -205,6 +206,16 @@ def test_quantized_family_equals_transformers_on_the_files_weights(converted, tm
     err = (all_logits(model, ids) - ref).abs().max().item()
     bound = SOFTCAPPED_ROUNDING if family.startswith("gemma") else ROUNDING
     assert err < bound * ref.abs().max().item(), f"{family} {qtype.name}: max |logit diff| {err}"
+
+
+# `make test-slow`: the rest of the 12 types x 7 families, so that every family runs every type
+REST = [(f, t) for f in FAMILIES for t in TYPES if (f, t) not in CASES]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "qtype"), REST, ids=[f"{f}-{t.name}" for f, t in REST])
+def test_every_other_type_of_each_family_equals_transformers(converted, tmp_path, family, qtype):
+    test_quantized_family_equals_transformers_on_the_files_weights(converted, tmp_path, family, qtype)
 
 
 @pytest.mark.parametrize("family", ARCHITECTURES)
