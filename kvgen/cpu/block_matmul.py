@@ -3,7 +3,7 @@ rounded to int16 per block of 32 (vector_matmul's rule), then the products on AM
 of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vector_matmul's vector
 kernels.
 Both give every row the same bits, so which one ran never shows in a row's output. The kinds with
-no tile kernels (q8h, q8hm and the packed q5, q5m, q6h: weight_blocks.BLOCK_TYPES) run on the
+no tile kernels (q4i, q8h, q8hm and the packed q5, q5m, q6h: weight_blocks.BLOCK_TYPES) run on the
 vector kernels at every row count. Under CPU_ACTIVATIONS=int8 (features.INT8) the q4 kind takes
 int8_matmul.py's kernel instead, at every row count: activations rounded to int8, not int16."""
 
@@ -36,7 +36,7 @@ def q4_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
-    """y = x W^T for a Q8_0 / IQ4_NL / IQ4_XS weight in blocks (as q4_linear)."""
+    """y = x W^T for a Q8_0 weight in blocks (as q4_linear)."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
         amx_matmul.q8_matmul(xq, dx, qs, scales, layout, y)
@@ -45,6 +45,13 @@ def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 
 
 # The kinds below have no tile kernels: they run on the vector kernels at every row count.
+
+@njit(cache=True, nogil=True)
+def q4i_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
+    """y = x W^T for nibbles indexing IQ4's 16 values, a scale per block (IQ4_NL: F16; IQ4_XS: SUB)."""
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q4i_matmul(xq, dx, qs, scales, layout, y)
+
 
 @njit(cache=True, nogil=True)
 def q8h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled

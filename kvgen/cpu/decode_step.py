@@ -131,8 +131,8 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
 # scales in the byte buffer, their layout (vector_matmul's F16 .. SUB_MIN), its tiles of TILE output
 # rows and blocks of 32 inputs, and the output columns it fills (a fused q|k|v whose v is another
 # kind: its parts side by side).
-NONE, Q4, Q8, Q8H, Q8HM, Q5, Q5M, Q6H = -1, 0, 1, 2, 3, 4, 5, 6
-KINDS = {"q4": Q4, "q8": Q8, "q8h": Q8H, "q8hm": Q8HM, "q5": Q5, "q5m": Q5M, "q6h": Q6H}
+NONE, Q4, Q8, Q8H, Q8HM, Q5, Q5M, Q6H, Q4I = -1, 0, 1, 2, 3, 4, 5, 6, 7
+KINDS = {"q4": Q4, "q8": Q8, "q8h": Q8H, "q8hm": Q8HM, "q5": Q5, "q5m": Q5M, "q6h": Q6H, "q4i": Q4I}
 KIND, CODES, SCALES, LAYOUT, TILES, GROUPS, COL, WIDTH = range(8)
 FIELDS = 8
 
@@ -146,9 +146,12 @@ def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
     supers, per = vector_matmul.scale_shape(layout, 2 if kind == Q8H or kind == Q8HM or kind == Q6H else 1, groups)
     sc = scales[sat:sat + tiles * supers * per].reshape((tiles, supers, per))
     n = tiles * groups * vector_matmul.TILE  # (block, output row) pairs
-    if kind == Q4:
+    if kind == Q4 or kind == Q4I:
         qs = codes4[at:at + n * 16].reshape((tiles, groups, 8, vector_matmul.TILE, 2))
-        block_matmul.q4_linear(x, qs, sc, layout, y, room)
+        if kind == Q4:
+            block_matmul.q4_linear(x, qs, sc, layout, y, room)
+        else:
+            block_matmul.q4i_linear(x, qs, sc, layout, y, room)
         return
     if kind == Q5 or kind == Q5M or kind == Q6H:  # packed: nibbles and high bits, in the uint8 buffer
         pairs = 12 if kind == Q6H else 10

@@ -23,6 +23,7 @@ broadcast:
 
     q4: qs [N/TILE, G, 8, TILE, 2] uint8: byte (p, c, e) holds input 2p+e of row c (low nibble)
         and input 2p+e+16 (high); value = d * q + m (Q4_0: m = -8 d)
+    q4i: q4's nibbles, each an index into IQ4's table of 16 values (IQ4_NL, IQ4_XS); value = d * table[q]
     q8: qs [N/TILE, G, 16, TILE, 2] int8: byte (p, c, e) holds input 2p+e; value = d * q
     q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (Q3_K)
     q8hm: q8h with a minimum per 16 inputs too: value = d[h] * q + m[h] (Q2_K)
@@ -154,7 +155,7 @@ def _pair(builder, x, index):
 # kind: (code pairs a block (a pair of bytes a row: q4 nibbles hold 4 inputs, q8 bytes 2; the packed
 # kinds' 8 pairs of nibbles, then their high planes' pairs), scales a block (1, or 2: one per 16
 # inputs), a minimum term m xs)
-KINDS = {"q4": (8, 1, True), "q8": (16, 1, False), "q8h": (16, 2, False), "q8hm": (16, 2, True),
+KINDS = {"q4": (8, 1, True), "q4i": (8, 1, False), "q8": (16, 1, False), "q8h": (16, 2, False), "q8hm": (16, 2, True),
          "q5": (10, 1, False), "q5m": (10, 1, True), "q6h": (12, 2, False)}
 # The packed kinds: a code u - offset held as u's low 4 bits in q4's nibbles and the high bits of
 # u ^ offset in a plane of their own (PACKED's bits an input; _packed_codes): the file's 5- and 6-bit
@@ -168,8 +169,8 @@ PACKED = {"q5": (1, 16), "q5m": (1, 0), "q6h": (2, 32)}
 F16, F16_MIN, SUB, SUB_MIN = 0, 1, 2, 3
 SUPER = 8  # blocks of 32 in a K-quant's (and IQ4_XS's) super-block of 256 inputs
 # The layouts each kind has kernels for (weight_blocks.BLOCK_TYPES' types)
-LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q8": (F16, SUB), "q8h": (SUB,), "q8hm": (SUB_MIN,), "q5": (F16,),
-           "q5m": (F16_MIN, SUB_MIN), "q6h": (SUB,)}
+LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q4i": (F16, SUB), "q8": (F16, SUB), "q8h": (SUB,), "q8hm": (SUB_MIN,),
+           "q5": (F16,), "q5m": (F16_MIN, SUB_MIN), "q6h": (SUB,)}
 
 
 def _scale_shape(layout, halves, groups):
@@ -247,6 +248,30 @@ def _packed_codes(builder, kind: str, load, p: int) -> tuple:
     return (*out, shift)
 
 
+# IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl), which q4i's nibbles index
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def _table_codes(builder, n) -> tuple:
+    """q4i: a load of nibble bytes -> (low nibbles' values, high nibbles' values) as int16 words: each
+    nibble looked up in IQ4_VALUES by one pshufb (16 byte lookups in each 128-bit lane, every lane holding
+    the table), so the codes stay 4 bits in memory where the table's int8 values took 8."""
+    table = vector(I8, [IQ4_VALUES[i % 16] for i in range(2 * LANES)])
+    out = []
+    for idx in (builder.and_(n, vector(I8, [15] * 2 * LANES)), builder.lshr(n, vector(I8, [4] * 2 * LANES))):
+        if PMADDWD:  # AVX2 (and SSSE3 within it)
+            name = "llvm.x86.avx2.pshuf.b" if 2 * LANES == 32 else "llvm.x86.ssse3.pshuf.b.128"
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(BYTES, [BYTES, BYTES]), name)
+            v = builder.call(fn, [table, idx])
+        else:  # portable IR: a select per table entry (the same bytes)
+            v = vector(I8, [IQ4_VALUES[0]] * 2 * LANES)
+            for i in range(1, 16):
+                v = builder.select(builder.icmp_unsigned("==", idx, vector(I8, [i] * 2 * LANES)),
+                                   vector(I8, [IQ4_VALUES[i]] * 2 * LANES), v)
+        out.append(builder.sext(v, WORDS))
+    return tuple(out)
+
+
 def _tile_linear(kind: str, layout: int, rows: int):
     """An intrinsic: y[r, c] = sum over blocks g of d[c, g] (dx[r, g] dots[r, c, g]) + m[c, g] xs[r, g]
     for `rows` activation rows r and the TILE weight rows c of one tile, where dots is a block's
@@ -258,7 +283,7 @@ def _tile_linear(kind: str, layout: int, rows: int):
     distance between activation rows; dx, xs, row 0's first block; scales, the tile's first byte
     of them; y, row 0's first output, the distance between output rows."""
     pairs, halves, has_min = KINDS[kind]
-    nibbles = kind == "q4" or kind in PACKED  # 8 pairs of nibble bytes first
+    nibbles = kind in ("q4", "q4i") or kind in PACKED  # 8 pairs of nibble bytes first
     names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "scales", "at", "y", "ybase",
              "ystride")
 
@@ -288,6 +313,8 @@ def _tile_linear(kind: str, layout: int, rows: int):
                     for p in range(8 if nibbles else pairs):
                         if kind in PACKED:
                             lo, hi, scaled = _packed_codes(builder, kind, load, p)
+                        elif kind == "q4i":
+                            lo, hi = _table_codes(builder, load(p))
                         elif kind == "q4":
                             w = builder.zext(load(p), WORDS)
                             lo = builder.and_(w, vector(I16, [15] * 2 * LANES))
@@ -352,6 +379,7 @@ def _rows_of(kind: str, layout: int):
 
 
 _q4_f16, _q4_f16_min, _q4_sub_min = (_rows_of("q4", layout) for layout in LAYOUTS["q4"])
+_q4i_f16, _q4i_sub = (_rows_of("q4i", layout) for layout in LAYOUTS["q4i"])
 _q8_f16, _q8_sub = (_rows_of("q8", layout) for layout in LAYOUTS["q8"])
 _q8h_sub, _q8hm_sub_min = _rows_of("q8h", SUB), _rows_of("q8hm", SUB_MIN)
 _q5_f16, _q6h_sub = _rows_of("q5", F16), _rows_of("q6h", SUB)
@@ -521,8 +549,31 @@ def q4_matmul(xq, dx, xs, qs, scales, layout, y):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def q4i_matmul(xq, dx, qs, scales, layout, y):  # pragma: no cover - compiled
+    """IQ4_NL (F16), IQ4_XS (SUB): q4's nibbles, IQ4_VALUES' values."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 8, 1, scales, layout, y)
+    if layout != F16 and layout != SUB:
+        _bad_layout()
+    codes, xf, dxf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                n, yat = min(ROWS_AT_ONCE, rows - r0), r0 * y.shape[1] + t * TILE
+                if layout == F16:
+                    _q4i_f16(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf, r0 * groups, sf,
+                             t * per_scales, yf, yat, y.shape[1])
+                else:
+                    _q4i_sub(n, codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf, r0 * groups, sf,
+                             t * per_scales, yf, yat, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def q8_matmul(xq, dx, qs, scales, layout, y):  # pragma: no cover - compiled
-    """Q8_0, Q5_0, IQ4_NL (F16); IQ4_XS (SUB)."""
+    """Q8_0 (F16); SUB for int8 codes under super-block scales (no file type's now: IQ4_XS runs as q4i)."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
     check_shapes(xq, dx, qs, 16, 1, scales, layout, y)

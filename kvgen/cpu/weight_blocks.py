@@ -39,7 +39,8 @@ GROUP = 32
 # super-block of 256 and its int8 sub-block scales (the file's 6-bit, 4-bit or int8 ones); the
 # kernels multiply the two, fp16 x int8 being exact in float32 (vector_matmul.block_scales):
 #   q4    nibbles, d and m per 32: Q4_0 (m = -8 d, not held), Q4_1, Q4_K (d sc, -dmin mn)
-#   q8    int8 codes, d per 32: Q8_0, IQ4_NL (its table's value), IQ4_XS (d (ls - 32))
+#   q4i   nibbles indexing IQ4_VALUES, d per 32: IQ4_NL, IQ4_XS (d (ls - 32))
+#   q8    int8 codes, d per 32: Q8_0
 #   q8h   int8 codes, d per 16: Q3_K (q - 4 where the high bit is clear)
 #   q8hm  int8 codes, d and m per 16: Q2_K
 #   q5    5-bit codes packed (nibbles and a plane of high bits), d per 32: Q5_0 (q - 16)
@@ -47,13 +48,12 @@ GROUP = 32
 #   q6h   6-bit codes packed (nibbles and a plane of 2 high bits), d per 16: Q6_K (q - 32)
 BLOCK_TYPES = {
     "Q4_0": ("q4", 18, 32), "Q4_1": ("q4", 20, 32), "Q4_K": ("q4", 144, 256),
-    "Q8_0": ("q8", 34, 32), "IQ4_NL": ("q8", 18, 32), "IQ4_XS": ("q8", 136, 256),
+    "Q8_0": ("q8", 34, 32), "IQ4_NL": ("q4i", 18, 32), "IQ4_XS": ("q4i", 136, 256),
     "Q3_K": ("q8h", 110, 256), "Q2_K": ("q8hm", 84, 256),
     "Q5_0": ("q5", 22, 32), "Q5_1": ("q5m", 24, 32), "Q5_K": ("q5m", 176, 256), "Q6_K": ("q6h", 210, 256),
 }
 PACKED = vector_matmul.PACKED  # the packed kinds: (high bits an input, the offset their codes take off)
-# IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl)
-IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+IQ4_VALUES = np.array(vector_matmul.IQ4_VALUES, np.int8)  # the values q4i's nibbles index
 SUPER = vector_matmul.SUPER  # blocks of 32 a super-block of 256 inputs holds
 
 
@@ -94,14 +94,14 @@ def _parse(type_name: str, b: np.ndarray) -> tuple:
         q = (_nibbles(b[..., at + 4:]) | (high << 4)).astype(np.int8)
         return (_f16(b, 0), None, None, None, q - 16) if type_name == "Q5_0" else (_f16(b, 0), _f16(b, 2), None,
                                                                                     None, q)
-    if type_name == "IQ4_NL":
-        return _f16(b, 0), None, None, None, IQ4_VALUES[_nibbles(b[..., 2:])]
+    if type_name == "IQ4_NL":  # codes: the nibbles, indices into IQ4_VALUES
+        return _f16(b, 0), None, None, None, _nibbles(b[..., 2:])
     if type_name == "IQ4_XS":
         low = _bits(b[..., 4:8], (0, 4), 4).swapaxes(-1, -2).reshape(n, -1, 8)  # sub-block 2j, 2j+1: byte j
         h = b[..., 2:4].copy().view(np.uint16)  # [N, S, 1]: sub-block i's bits 2i, 2i + 1
         high = ((h >> np.arange(0, 16, 2, dtype=np.uint16)) & 3).astype(np.uint8)
         ls = (low | (high << 4)).astype(np.int8) - np.int8(32)
-        return _f16(b, 0), None, ls.reshape(n, -1), None, IQ4_VALUES[_nibbles(b[..., 8:].reshape(n, -1, 8, 16))]
+        return _f16(b, 0), None, ls.reshape(n, -1), None, _nibbles(b[..., 8:].reshape(n, -1, 8, 16))
     if type_name in ("Q4_K", "Q5_K"):
         sc, mn = _k_scales(b[..., 4:16])
         qs = b[..., 16:144] if type_name == "Q4_K" else b[..., 48:176]
@@ -225,9 +225,9 @@ def _gather_codes(src, rows, first, out):  # pragma: no cover - compiled
 
 COMPILED_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types _k_codes and _q6k_codes convert (FileBlocks)
 # the types whose codes are the file's bytes as they are: (first byte of the codes in a block, fp16 d's, m's)
-AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None)}
+AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None), "IQ4_NL": (2, 0, None)}
 # a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
-PAIRS = {"q4": 8, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
+PAIRS = {"q4": 8, "q4i": 8, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
 INT8_KINDS = ("q8", "q8h", "q8hm")
 
 
@@ -278,7 +278,7 @@ class WeightBlocks:
       the type has none), and ds, ms [N, K/32] int8 sub-block scales, or [N, K/32, 2] (q8h, q8hm,
       q6h: one per 16 inputs); a block's scale is d ds, its minimum m ms."""
 
-    kind: str  # "q4", "q8", "q8h", "q8hm", "q5", "q5m" or "q6h"
+    kind: str  # "q4", "q4i", "q8", "q8h", "q8hm", "q5", "q5m" or "q6h"
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
@@ -299,7 +299,8 @@ class WeightBlocks:
         kind = BLOCK_TYPES[type_name][0]
         d, m, ds, ms, q = _parse(type_name, b)
         q = q.reshape(b.shape[0], -1, GROUP)
-        if kind == "q4":  # byte j: input j in the low nibble, j + 16 in the high
+        if kind in ("q4", "q4i"):  # byte j: input j in the low nibble, j + 16 in the high
+            q = q.astype(np.uint8)
             q = q[..., :16] | (q[..., 16:] << 4)
         elif kind in PACKED:
             q = _pack(kind, q)
@@ -364,8 +365,9 @@ class WeightBlocks:
     def codes(self) -> torch.Tensor:
         """[N, K/32, 32] the integer codes in input order (the kernels' integers: q4's nibbles, the
         packed kinds' codes less their offset, the int8 ones)."""
-        if self.kind == "q4":
-            return torch.cat((self.qs & 15, self.qs >> 4), -1)
+        if self.kind in ("q4", "q4i"):
+            nibbles = torch.cat((self.qs & 15, self.qs >> 4), -1)
+            return nibbles if self.kind == "q4" else torch.from_numpy(IQ4_VALUES)[nibbles.long()]
         return _unpack(self.kind, self.qs) if self.kind in PACKED else self.qs
 
     def dequantize(self) -> torch.Tensor:
@@ -525,6 +527,7 @@ def compile_kernels() -> None:
         vm.q4_matmul(xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
         vm.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
     # the kinds below: one code type (int8, or the packed kinds' uint8), vectors only
+    vm.q4i_matmul(xq, dx, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y)
     vm.q8h_matmul(xq, dx, codes(16), scales(vm.SUB, 2), y)
     vm.q8hm_matmul(xq, dx, sums, codes(16), scales(vm.SUB_MIN, 2), y)
     vm.q5_matmul(xq, dx, codes(10, np.uint8), scales(vm.F16), y)
@@ -539,6 +542,7 @@ def compile_kernels() -> None:
             amx_matmul.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
     block_matmul.q4_linear(x, codes(8, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
     block_matmul.q8_linear(x, codes(16), scales(vm.F16), vm.F16, y, room)
+    block_matmul.q4i_linear(x, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y, room)
     block_matmul.q8h_linear(x, codes(16), scales(vm.SUB, 2), y, room)
     block_matmul.q8hm_linear(x, codes(16), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
     block_matmul.q5_linear(x, codes(10, np.uint8), scales(vm.F16), y, room)
@@ -610,6 +614,8 @@ class BlockLinear:
         room = vector_matmul.scratch(*x.shape)
         if self.kind == "q4":
             block_matmul.q4_linear(x, self.qs, self.scales, self.layout, y, room)
+        elif self.kind == "q4i":
+            block_matmul.q4i_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8":
             block_matmul.q8_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8h":

@@ -86,18 +86,19 @@ def test_random_blocks_dequantize_as_gguf_py(qtype):
     raw = random_blocks(qtype, 64, k, seed=7)
     b = WeightBlocks.from_gguf(qtype.name, raw)
     assert torch.equal(b.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(64, k)))
-    assert b.qs.dtype == (torch.uint8 if b.kind == "q4" or b.kind in PACKED else torch.int8)
+    assert b.qs.dtype == (torch.uint8 if b.kind in ("q4", "q4i") or b.kind in PACKED else torch.int8)
     halves = b.kind in ("q8h", "q8hm", "q6h")  # a scale per 16 inputs
     d, m = b.block_scales()
     assert d.dtype == torch.float32 and d.shape == ((64, k // 32, 2) if halves else (64, k // 32))
-    assert (m is None) == (b.kind in ("q8", "q8h", "q5", "q6h"))
+    assert (m is None) == (b.kind in ("q4i", "q8", "q8h", "q5", "q6h"))
 
 
-# Bits a weight held (codes, then scales), per type: nibbles, packed 5- or 6-bit codes or int8 codes;
-# an fp16 d (and m) per block of 32, or per super-block of 256 with an int8 per block of 32 (per 16
-# for Q6_K, Q3_K, Q2_K) for d (and m): the file's own scales, its 6- and 4-bit ones a byte each
+# Bits a weight held (codes, then scales), per type: nibbles (IQ4's indices into its table), packed 5- or
+# 6-bit codes or int8 codes; an fp16 d (and m) per block of 32, or per super-block of 256 with an int8 per
+# block of 32 (per 16 for Q6_K, Q3_K, Q2_K) for d (and m): the file's own scales, its 6- and 4-bit ones a
+# byte each
 HELD_BITS = {"Q4_0": 4 + 16 / 32, "Q4_1": 4 + 32 / 32, "Q4_K": 4 + 32 / 256 + 16 / 32,
-             "Q8_0": 8 + 16 / 32, "Q5_0": 5 + 16 / 32, "IQ4_NL": 8 + 16 / 32, "IQ4_XS": 8 + 16 / 256 + 8 / 32,
+             "Q8_0": 8 + 16 / 32, "Q5_0": 5 + 16 / 32, "IQ4_NL": 4 + 16 / 32, "IQ4_XS": 4 + 16 / 256 + 8 / 32,
              "Q5_1": 5 + 32 / 32, "Q5_K": 5 + 32 / 256 + 16 / 32,
              "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 8 + 16 / 256 + 8 / 16, "Q2_K": 8 + 32 / 256 + 16 / 16}
 
@@ -107,7 +108,7 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
     """A BlockLinear holds its codes and its scales' bytes and nothing else, HELD_BITS a weight:
     the scales as the file holds them (fp16, int8), not a float32 per block; the nibble and packed
     types within an eighth of a bit of their file (Q4_K 4.625 against 4.5, Q5_K 5.625 against 5.5,
-    Q4_0, Q4_1, Q5_0, Q5_1 and Q6_K at it)."""
+    Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, IQ4_NL and IQ4_XS at it)."""
     n, k = 64, width(qtype, 1024)
     blocks = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, n, k))
     assert blocks.d.dtype == torch.float16 and (blocks.m is None or blocks.m.dtype == torch.float16)
@@ -118,7 +119,7 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
     bits = 8 * sum(a.nbytes for a in held) / (n * k)
     assert bits == HELD_BITS[qtype.name]
     per, size = gguf.GGML_QUANT_SIZES[qtype]
-    if lin.kind == "q4" or lin.kind in PACKED:
+    if lin.kind in ("q4", "q4i") or lin.kind in PACKED:
         assert bits <= 8 * size / per + 1 / 8
 
 
