@@ -3,7 +3,7 @@ rounded to int16 per block of 32 (vector_matmul's rule), then the products on AM
 of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vector_matmul's vector
 kernels.
 Both give every row the same bits, so which one ran never shows in a row's output. The kinds with
-no tile kernels (q4i, q8h, q8hm and the packed q5, q5m, q6h: weight_blocks.BLOCK_TYPES) run on the
+no tile kernels (q4i, q3h, q2hm, q8h, q8hm and the packed q5, q5m, q6h: weight_blocks.BLOCK_TYPES) run on the
 vector kernels at every row count. Under CPU_ACTIVATIONS=int8 (features.INT8) the q4 kind takes
 int8_matmul.py's kernel instead, at every row count: activations rounded to int8, not int16."""
 
@@ -51,6 +51,21 @@ def q4i_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     """y = x W^T for nibbles indexing IQ4's 16 values, a scale per block (IQ4_NL: F16; IQ4_XS: SUB)."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q4i_matmul(xq, dx, qs, scales, layout, y)
+
+
+@njit(cache=True, nogil=True)
+def q3h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
+    """y = x W^T for 3-bit codes in nibbles with a scale per 16 inputs (Q3_K)."""
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q3h_matmul(xq, dx, qs, scales, y)
+
+
+@njit(cache=True, nogil=True)
+def q2hm_linear(x, qs, scales, y, room, sums):  # pragma: no cover - compiled
+    """y = x W^T for 2-bit codes in nibbles with a scale and a minimum per 16 inputs (Q2_K); sums as
+    q8hm_linear's."""
+    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q2hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, scales, y)
 
 
 @njit(cache=True, nogil=True)

@@ -131,8 +131,9 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
 # scales in the byte buffer, their layout (vector_matmul's F16 .. SUB_MIN), its tiles of TILE output
 # rows and blocks of 32 inputs, and the output columns it fills (a fused q|k|v whose v is another
 # kind: its parts side by side).
-NONE, Q4, Q8, Q8H, Q8HM, Q5, Q5M, Q6H, Q4I = -1, 0, 1, 2, 3, 4, 5, 6, 7
-KINDS = {"q4": Q4, "q8": Q8, "q8h": Q8H, "q8hm": Q8HM, "q5": Q5, "q5m": Q5M, "q6h": Q6H, "q4i": Q4I}
+NONE, Q4, Q8, Q8H, Q8HM, Q5, Q5M, Q6H, Q4I, Q3H, Q2HM = -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9
+KINDS = {"q4": Q4, "q8": Q8, "q8h": Q8H, "q8hm": Q8HM, "q5": Q5, "q5m": Q5M, "q6h": Q6H, "q4i": Q4I, "q3h": Q3H,
+         "q2hm": Q2HM}
 KIND, CODES, SCALES, LAYOUT, TILES, GROUPS, COL, WIDTH = range(8)
 FIELDS = 8
 
@@ -143,15 +144,20 @@ def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
     kernel of its kind, over views of the flat buffers shaped as BlockLinear holds them."""
     codes4, codes8, scales = weights
     tiles, groups, at, sat, layout = p[TILES], p[GROUPS], p[CODES], p[SCALES], p[LAYOUT]
-    supers, per = vector_matmul.scale_shape(layout, 2 if kind == Q8H or kind == Q8HM or kind == Q6H else 1, groups)
+    halves = 2 if kind == Q8H or kind == Q8HM or kind == Q6H or kind == Q3H or kind == Q2HM else 1
+    supers, per = vector_matmul.scale_shape(layout, halves, groups)
     sc = scales[sat:sat + tiles * supers * per].reshape((tiles, supers, per))
     n = tiles * groups * vector_matmul.TILE  # (block, output row) pairs
-    if kind == Q4 or kind == Q4I:
+    if kind == Q4 or kind == Q4I or kind == Q3H or kind == Q2HM:  # nibbles, in the uint8 buffer
         qs = codes4[at:at + n * 16].reshape((tiles, groups, 8, vector_matmul.TILE, 2))
         if kind == Q4:
             block_matmul.q4_linear(x, qs, sc, layout, y, room)
-        else:
+        elif kind == Q4I:
             block_matmul.q4i_linear(x, qs, sc, layout, y, room)
+        elif kind == Q3H:
+            block_matmul.q3h_linear(x, qs, sc, y, room)
+        else:
+            block_matmul.q2hm_linear(x, qs, sc, y, room, sums)
         return
     if kind == Q5 or kind == Q5M or kind == Q6H:  # packed: nibbles and high bits, in the uint8 buffer
         pairs = 12 if kind == Q6H else 10

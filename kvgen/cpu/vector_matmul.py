@@ -25,8 +25,11 @@ broadcast:
         and input 2p+e+16 (high); value = d * q + m (Q4_0: m = -8 d)
     q4i: q4's nibbles, each an index into IQ4's table of 16 values (IQ4_NL, IQ4_XS); value = d * table[q]
     q8: qs [N/TILE, G, 16, TILE, 2] int8: byte (p, c, e) holds input 2p+e; value = d * q
-    q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (Q3_K)
-    q8hm: q8h with a minimum per 16 inputs too: value = d[h] * q + m[h] (Q2_K)
+    q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (no file type: Q3_K's reference)
+    q8hm: q8h with a minimum per 16 inputs too: value = d[h] * q + m[h] (no file type: Q2_K's reference)
+    q3h: q4's nibbles holding a 3-bit two's complement code q, a scale per 16 as q8h's: value = d[h] * q (Q3_K);
+        the low nibbles are inputs 0-15, half 0, the high ones 16-31, half 1
+    q2hm: q4's nibbles holding a 2-bit code, a scale and a minimum per 16 as q8hm's (Q2_K)
     q5, q5m, q6h: packed codes u - offset, qs [N/TILE, G, 8 + 2 b, TILE, 2] uint8: pairs 0-7 q4's
         nibbles of u, pairs 8 on a plane of the high b bits (b = 1, 2) of u ^ offset (offset 0 or
         u's top bit): byte j < 4 b of a row holds inputs j + 4 b i at bit b i; and
@@ -155,7 +158,8 @@ def _pair(builder, x, index):
 # kind: (code pairs a block (a pair of bytes a row: q4 nibbles hold 4 inputs, q8 bytes 2; the packed
 # kinds' 8 pairs of nibbles, then their high planes' pairs), scales a block (1, or 2: one per 16
 # inputs), a minimum term m xs)
-KINDS = {"q4": (8, 1, True), "q4i": (8, 1, False), "q8": (16, 1, False), "q8h": (16, 2, False), "q8hm": (16, 2, True),
+KINDS = {"q4": (8, 1, True), "q4i": (8, 1, False), "q3h": (8, 2, False), "q2hm": (8, 2, True),
+         "q8": (16, 1, False), "q8h": (16, 2, False), "q8hm": (16, 2, True),
          "q5": (10, 1, False), "q5m": (10, 1, True), "q6h": (12, 2, False)}
 # The packed kinds: a code u - offset held as u's low 4 bits in q4's nibbles and the high bits of
 # u ^ offset in a plane of their own (PACKED's bits an input; _packed_codes): the file's 5- and 6-bit
@@ -169,8 +173,10 @@ PACKED = {"q5": (1, 16), "q5m": (1, 0), "q6h": (2, 32)}
 F16, F16_MIN, SUB, SUB_MIN = 0, 1, 2, 3
 SUPER = 8  # blocks of 32 in a K-quant's (and IQ4_XS's) super-block of 256 inputs
 # The layouts each kind has kernels for (weight_blocks.BLOCK_TYPES' types)
-LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q4i": (F16, SUB), "q8": (F16, SUB), "q8h": (SUB,), "q8hm": (SUB_MIN,),
-           "q5": (F16,), "q5m": (F16_MIN, SUB_MIN), "q6h": (SUB,)}
+LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q4i": (F16, SUB), "q3h": (SUB,), "q2hm": (SUB_MIN,), "q8": (F16, SUB),
+           "q8h": (SUB,), "q8hm": (SUB_MIN,), "q5": (F16,), "q5m": (F16_MIN, SUB_MIN), "q6h": (SUB,)}
+# The kinds whose codes are one nibble an input, 8 pairs of nibble bytes a block (the packed kinds' first 8)
+NIBBLE_KINDS = ("q4", "q4i", "q3h", "q2hm")
 
 
 def _scale_shape(layout, halves, groups):
@@ -283,7 +289,7 @@ def _tile_linear(kind: str, layout: int, rows: int):
     distance between activation rows; dx, xs, row 0's first block; scales, the tile's first byte
     of them; y, row 0's first output, the distance between output rows."""
     pairs, halves, has_min = KINDS[kind]
-    nibbles = kind in ("q4", "q4i") or kind in PACKED  # 8 pairs of nibble bytes first
+    nibbles = kind in NIBBLE_KINDS or kind in PACKED  # 8 pairs of nibble bytes first
     names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "scales", "at", "y", "ybase",
              "ystride")
 
@@ -315,12 +321,19 @@ def _tile_linear(kind: str, layout: int, rows: int):
                             lo, hi, scaled = _packed_codes(builder, kind, load, p)
                         elif kind == "q4i":
                             lo, hi = _table_codes(builder, load(p))
-                        elif kind == "q4":
+                        elif kind == "q3h":  # a code's 3 bits moved to the top of a byte: 32 q as int8
+                            n = load(p)
+                            lo = builder.sext(builder.shl(n, vector(I8, [5] * 2 * LANES)), WORDS)
+                            hi = builder.sext(builder.shl(builder.and_(n, vector(I8, [0x70] * 2 * LANES)),
+                                                          vector(I8, [1] * 2 * LANES)), WORDS)
+                            scaled = 5
+                        elif kind == "q4" or kind == "q2hm":
                             w = builder.zext(load(p), WORDS)
                             lo = builder.and_(w, vector(I16, [15] * 2 * LANES))
                             hi = builder.lshr(w, vector(I16, [4] * 2 * LANES))
                         if nibbles:
-                            for i in range(rows):  # inputs 2p, 2p+1 in the low nibbles, 2p+16, 2p+17 high
+                            # inputs 2p, 2p+1 in the low nibbles, 2p+16, 2p+17 high: q3h's, q2hm's halves 0 and 1
+                            for i in range(rows):
                                 chains[i][p % 2] = _madd_add(builder, chains[i][p % 2], lo, _pair(builder, xs[i], p))
                                 chains[i][2 + p % 2] = _madd_add(builder, chains[i][2 + p % 2], hi,
                                                                  _pair(builder, xs[i], 8 + p))
@@ -382,6 +395,7 @@ _q4_f16, _q4_f16_min, _q4_sub_min = (_rows_of("q4", layout) for layout in LAYOUT
 _q4i_f16, _q4i_sub = (_rows_of("q4i", layout) for layout in LAYOUTS["q4i"])
 _q8_f16, _q8_sub = (_rows_of("q8", layout) for layout in LAYOUTS["q8"])
 _q8h_sub, _q8hm_sub_min = _rows_of("q8h", SUB), _rows_of("q8hm", SUB_MIN)
+_q3h_sub, _q2hm_sub_min = _rows_of("q3h", SUB), _rows_of("q2hm", SUB_MIN)
 _q5_f16, _q6h_sub = _rows_of("q5", F16), _rows_of("q6h", SUB)
 _q5m_f16_min, _q5m_sub_min = (_rows_of("q5m", layout) for layout in LAYOUTS["q5m"])
 
@@ -626,6 +640,41 @@ def q8hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
         for t in range(part * tiles // parts, (part + 1) * tiles // parts):
             for r0 in range(0, rows, ROWS_AT_ONCE):
                 _q8hm_sub_min(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
+                              r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q3h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
+    """Q3_K: 3-bit codes in nibbles, a scale per 16 inputs (layout SUB, an int8 a half): q8h's outputs."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 8, 2, scales, SUB, y)
+    codes, xf, dxf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q3h_sub(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, dxf,
+                         r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def q2hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
+    """Q2_K: 2-bit codes in nibbles, a scale and a minimum per 16 inputs (layout SUB_MIN; xs [M, 2G] the sums
+    of x per 16 inputs, half_sums): q8hm's outputs."""
+    rows, k = xq.shape
+    tiles, groups = qs.shape[0], qs.shape[1]
+    check_shapes(xq, dx, qs, 8, 2, scales, SUB_MIN, y)
+    _check_sums(xs, dx, 2)
+    codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
+        scales.reshape(-1), y.reshape(-1)
+    per_tile, per_scales = codes.size // tiles, sf.size // tiles
+    parts = min(tiles, PARTS)
+    for part in prange(parts):
+        for t in range(part * tiles // parts, (part + 1) * tiles // parts):
+            for r0 in range(0, rows, ROWS_AT_ONCE):
+                _q2hm_sub_min(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
                               r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
 
 

@@ -41,15 +41,16 @@ GROUP = 32
 #   q4    nibbles, d and m per 32: Q4_0 (m = -8 d, not held), Q4_1, Q4_K (d sc, -dmin mn)
 #   q4i   nibbles indexing IQ4_VALUES, d per 32: IQ4_NL, IQ4_XS (d (ls - 32))
 #   q8    int8 codes, d per 32: Q8_0
-#   q8h   int8 codes, d per 16: Q3_K (q - 4 where the high bit is clear)
-#   q8hm  int8 codes, d and m per 16: Q2_K
+#   q3h   3-bit codes in nibbles, d per 16: Q3_K (q - 4 where the high bit is clear)
+#   q2hm  2-bit codes in nibbles, d and m per 16: Q2_K
+#   (q8h, q8hm: the same as int8 codes, the kernels' references in the tests; no file type runs on them)
 #   q5    5-bit codes packed (nibbles and a plane of high bits), d per 32: Q5_0 (q - 16)
 #   q5m   5-bit codes packed, d and m per 32: Q5_1, Q5_K
 #   q6h   6-bit codes packed (nibbles and a plane of 2 high bits), d per 16: Q6_K (q - 32)
 BLOCK_TYPES = {
     "Q4_0": ("q4", 18, 32), "Q4_1": ("q4", 20, 32), "Q4_K": ("q4", 144, 256),
     "Q8_0": ("q8", 34, 32), "IQ4_NL": ("q4i", 18, 32), "IQ4_XS": ("q4i", 136, 256),
-    "Q3_K": ("q8h", 110, 256), "Q2_K": ("q8hm", 84, 256),
+    "Q3_K": ("q3h", 110, 256), "Q2_K": ("q2hm", 84, 256),
     "Q5_0": ("q5", 22, 32), "Q5_1": ("q5m", 24, 32), "Q5_K": ("q5m", 176, 256), "Q6_K": ("q6h", 210, 256),
 }
 PACKED = vector_matmul.PACKED  # the packed kinds: (high bits an input, the offset their codes take off)
@@ -227,7 +228,7 @@ COMPILED_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types _k_codes and _q6k_codes c
 # the types whose codes are the file's bytes as they are: (first byte of the codes in a block, fp16 d's, m's)
 AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None), "IQ4_NL": (2, 0, None)}
 # a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
-PAIRS = {"q4": 8, "q4i": 8, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
+PAIRS = {"q4": 8, "q4i": 8, "q3h": 8, "q2hm": 8, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
 INT8_KINDS = ("q8", "q8h", "q8hm")
 
 
@@ -278,7 +279,7 @@ class WeightBlocks:
       the type has none), and ds, ms [N, K/32] int8 sub-block scales, or [N, K/32, 2] (q8h, q8hm,
       q6h: one per 16 inputs); a block's scale is d ds, its minimum m ms."""
 
-    kind: str  # "q4", "q4i", "q8", "q8h", "q8hm", "q5", "q5m" or "q6h"
+    kind: str  # "q4", "q4i", "q3h", "q2hm", "q8", "q8h", "q8hm", "q5", "q5m" or "q6h"
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None
@@ -299,8 +300,8 @@ class WeightBlocks:
         kind = BLOCK_TYPES[type_name][0]
         d, m, ds, ms, q = _parse(type_name, b)
         q = q.reshape(b.shape[0], -1, GROUP)
-        if kind in ("q4", "q4i"):  # byte j: input j in the low nibble, j + 16 in the high
-            q = q.astype(np.uint8)
+        if kind in vector_matmul.NIBBLE_KINDS:  # byte j: input j in the low nibble, j + 16 in the high
+            q = q.astype(np.uint8) & (7 if kind == "q3h" else 15)  # q3h: a 3-bit two's complement code
             q = q[..., :16] | (q[..., 16:] << 4)
         elif kind in PACKED:
             q = _pack(kind, q)
@@ -365,9 +366,11 @@ class WeightBlocks:
     def codes(self) -> torch.Tensor:
         """[N, K/32, 32] the integer codes in input order (the kernels' integers: q4's nibbles, the
         packed kinds' codes less their offset, the int8 ones)."""
-        if self.kind in ("q4", "q4i"):
+        if self.kind in vector_matmul.NIBBLE_KINDS:
             nibbles = torch.cat((self.qs & 15, self.qs >> 4), -1)
-            return nibbles if self.kind == "q4" else torch.from_numpy(IQ4_VALUES)[nibbles.long()]
+            if self.kind == "q4i":
+                return torch.from_numpy(IQ4_VALUES)[nibbles.long()]
+            return ((nibbles ^ 4) - 4).to(torch.int8) if self.kind == "q3h" else nibbles
         return _unpack(self.kind, self.qs) if self.kind in PACKED else self.qs
 
     def dequantize(self) -> torch.Tensor:
@@ -529,6 +532,8 @@ def compile_kernels() -> None:
     # the kinds below: one code type (int8, or the packed kinds' uint8), vectors only
     vm.q4i_matmul(xq, dx, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y)
     vm.q8h_matmul(xq, dx, codes(16), scales(vm.SUB, 2), y)
+    vm.q3h_matmul(xq, dx, codes(8, np.uint8), scales(vm.SUB, 2), y)
+    vm.q2hm_matmul(xq, dx, sums, codes(8, np.uint8), scales(vm.SUB_MIN, 2), y)
     vm.q8hm_matmul(xq, dx, sums, codes(16), scales(vm.SUB_MIN, 2), y)
     vm.q5_matmul(xq, dx, codes(10, np.uint8), scales(vm.F16), y)
     vm.q5m_matmul(xq, dx, xs, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y)
@@ -544,6 +549,8 @@ def compile_kernels() -> None:
     block_matmul.q8_linear(x, codes(16), scales(vm.F16), vm.F16, y, room)
     block_matmul.q4i_linear(x, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y, room)
     block_matmul.q8h_linear(x, codes(16), scales(vm.SUB, 2), y, room)
+    block_matmul.q3h_linear(x, codes(8, np.uint8), scales(vm.SUB, 2), y, room)
+    block_matmul.q2hm_linear(x, codes(8, np.uint8), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
     block_matmul.q8hm_linear(x, codes(16), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
     block_matmul.q5_linear(x, codes(10, np.uint8), scales(vm.F16), y, room)
     block_matmul.q5m_linear(x, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
@@ -618,6 +625,8 @@ class BlockLinear:
             block_matmul.q4i_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q8":
             block_matmul.q8_linear(x, self.qs, self.scales, self.layout, y, room)
+        elif self.kind == "q3h":
+            block_matmul.q3h_linear(x, self.qs, self.scales, y, room)
         elif self.kind == "q8h":
             block_matmul.q8h_linear(x, self.qs, self.scales, y, room)
         elif self.kind == "q5":
@@ -628,7 +637,8 @@ class BlockLinear:
             block_matmul.q6h_linear(x, self.qs, self.scales, y, room)
         else:
             sums = np.empty(x.shape[0] * (x.shape[1] // 16), np.float32)
-            block_matmul.q8hm_linear(x, self.qs, self.scales, y, room, sums)
+            linear = block_matmul.q2hm_linear if self.kind == "q2hm" else block_matmul.q8hm_linear
+            linear(x, self.qs, self.scales, y, room, sums)
         out = torch.from_numpy(y)
         if y.shape[1] != self.out_features:
             out = out[:, :self.out_features]

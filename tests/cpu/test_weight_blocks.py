@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvgen.cpu import features
+from kvgen.cpu.vector_matmul import NIBBLE_KINDS
 from kvgen.cpu.weight_blocks import BLOCK_TYPES, GROUP, PACKED, BlockLinear, WeightBlocks
 from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
@@ -86,11 +87,11 @@ def test_random_blocks_dequantize_as_gguf_py(qtype):
     raw = random_blocks(qtype, 64, k, seed=7)
     b = WeightBlocks.from_gguf(qtype.name, raw)
     assert torch.equal(b.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(64, k)))
-    assert b.qs.dtype == (torch.uint8 if b.kind in ("q4", "q4i") or b.kind in PACKED else torch.int8)
-    halves = b.kind in ("q8h", "q8hm", "q6h")  # a scale per 16 inputs
+    assert b.qs.dtype == (torch.uint8 if b.kind in NIBBLE_KINDS or b.kind in PACKED else torch.int8)
+    halves = b.kind in ("q8h", "q8hm", "q6h", "q3h", "q2hm")  # a scale per 16 inputs
     d, m = b.block_scales()
     assert d.dtype == torch.float32 and d.shape == ((64, k // 32, 2) if halves else (64, k // 32))
-    assert (m is None) == (b.kind in ("q4i", "q8", "q8h", "q5", "q6h"))
+    assert (m is None) == (b.kind in ("q4i", "q3h", "q8", "q8h", "q5", "q6h"))
 
 
 # Bits a weight held (codes, then scales), per type: nibbles (IQ4's indices into its table), packed 5- or
@@ -100,7 +101,7 @@ def test_random_blocks_dequantize_as_gguf_py(qtype):
 HELD_BITS = {"Q4_0": 4 + 16 / 32, "Q4_1": 4 + 32 / 32, "Q4_K": 4 + 32 / 256 + 16 / 32,
              "Q8_0": 8 + 16 / 32, "Q5_0": 5 + 16 / 32, "IQ4_NL": 4 + 16 / 32, "IQ4_XS": 4 + 16 / 256 + 8 / 32,
              "Q5_1": 5 + 32 / 32, "Q5_K": 5 + 32 / 256 + 16 / 32,
-             "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 8 + 16 / 256 + 8 / 16, "Q2_K": 8 + 32 / 256 + 16 / 16}
+             "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 4 + 16 / 256 + 8 / 16, "Q2_K": 4 + 32 / 256 + 16 / 16}
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
@@ -121,6 +122,8 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
     per, size = gguf.GGML_QUANT_SIZES[qtype]
     if lin.kind in ("q4", "q4i") or lin.kind in PACKED:
         assert bits <= 8 * size / per + 1 / 8
+    elif lin.kind in NIBBLE_KINDS:  # Q3_K's 3-bit and Q2_K's 2-bit codes a nibble each
+        assert bits <= 8 * size / per + 2.5
 
 
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
@@ -184,6 +187,21 @@ def test_packed_codes_give_the_int8_codes_bits(qtype, rows):
     as_int8 = WeightBlocks(INT8_TWIN[packed.kind], codes.to(torch.int8), packed.d, packed.m, packed.ds, packed.ms)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     assert torch.equal(BlockLinear(packed, None)(x), BlockLinear(as_int8, None)(x))
+
+
+@pytest.mark.parametrize(("qtype", "span"), [(Q.Q3_K, (-4, 3)), (Q.Q2_K, (0, 3))], ids=lambda q: getattr(q, "name", ""))
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 37])
+def test_nibble_codes_give_the_int8_codes_bits(qtype, span, rows):
+    """Q3_K's 3-bit and Q2_K's 2-bit codes held a nibble each (q3h, q2hm) are the very integers int8 codes
+    with the same scales (q8h, q8hm) multiply: the same outputs bit for bit, every code in use."""
+    k = width(qtype, 576)
+    nibbles = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, 72, k, seed=rows))
+    codes = nibbles.codes()
+    assert (codes.min(), codes.max()) == span
+    twin = {"q3h": "q8h", "q2hm": "q8hm"}[nibbles.kind]
+    as_int8 = WeightBlocks(twin, codes.to(torch.int8), nibbles.d, nibbles.m, nibbles.ds, nibbles.ms)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(BlockLinear(nibbles, None)(x), BlockLinear(as_int8, None)(x))
 
 
 def kernel_outputs() -> list[torch.Tensor]:

@@ -332,9 +332,9 @@ MIXTURES = {
 # kind fuse where their scales are held alike (layer 0's Q5_1 gate beside its Q5_K up: two parts)
 MIXED_KINDS = {
     256: [{"qkv": ["q4", "q4", "q6h"], "o": ["q8"], "gate_up": ["q5m", "q5m"], "down": ["q6h"]},
-          {"qkv": ["q8hm", "q8h", "q5"], "o": ["q8hm"], "gate_up": ["q4i", "q8hm"], "down": ["q5"]}],
+          {"qkv": ["q2hm", "q3h", "q5"], "o": ["q2hm"], "gate_up": ["q4i", "q2hm"], "down": ["q5"]}],
     576: [{"qkv": ["q5m", "q5m", "q8"], "o": ["q5"], "gate_up": ["q4", "q4i"], "down": ["q6h"]},
-          {"qkv": ["q4", "q4", "q5"], "o": ["q4"], "gate_up": ["q5"], "down": ["q8hm"]}],
+          {"qkv": ["q4", "q4", "q5"], "o": ["q4"], "gate_up": ["q5"], "down": ["q2hm"]}],
 }
 
 
