@@ -212,6 +212,64 @@ def _q6k_codes(b, rows, first, out, d, ds):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def _iq4xs_codes(b, rows, first, out, d, ds):  # pragma: no cover - compiled
+    """IQ4_XS blocks b [R, S, 136] -> out: q4i's 8 pairs a block (the file's nibble bytes as they are: byte
+    j holds inputs j and j + 16); d [N, S] the fp16 bits, ds [N, 8 S] the int8 sub-block scales ls - 32."""
+    lanes = out.shape[2]
+    for i in range(rows.shape[0]):
+        dst = first + i
+        a, c = dst // lanes, dst % lanes
+        for s in range(b.shape[1]):
+            blk = b[rows[i], s]
+            d[dst, s] = blk[0] | (np.uint16(blk[1]) << 8)
+            high = blk[2] | (np.uint16(blk[3]) << 8)
+            for g in range(8):
+                low = (blk[4 + g // 2] >> (4 * (g % 2))) & 15
+                ds[dst, 8 * s + g] = np.int8((low | (((high >> (2 * g)) & 3) << 4)) - 32)
+                for p in range(8):
+                    at = 8 + 16 * g + 2 * p
+                    out[a, (8 * s + g) * 8 + p, c] = blk[at] | (np.uint16(blk[at + 1]) << 8)
+
+
+@njit(cache=True, nogil=True)
+def _low_bit_codes(b, three, rows, first, out, d, m, ds, ms):  # pragma: no cover - compiled
+    """Q3_K (three True; m, ms unused) or Q2_K blocks b [R, S, 110 or 84] -> out: a code a nibble, q3h's
+    3-bit two's complement or q2hm's 2 bits, 8 pairs a block (byte j: inputs j and j + 16); d (and m, the
+    file's -dmin) [N, S] fp16 bits, ds (and ms) [N, 8 S, 2] the int8 scales (and mins) per 16 inputs. Block
+    g's input i: bits 2 (g % 4) of qs[32 (g // 4) + i], and Q3_K's bit g of hmask[i] (clear: the code - 4)."""
+    lanes = out.shape[2]
+    q = 32 if three else 16  # where qs starts
+    for i in range(rows.shape[0]):
+        dst = first + i
+        a, c = dst // lanes, dst % lanes
+        for s in range(b.shape[1]):
+            blk = b[rows[i], s]
+            if three:
+                d[dst, s] = blk[108] | (np.uint16(blk[109]) << 8)
+                for k in range(16):  # scale k: a nibble of byte k % 8, 2 bits of byte 8 + k % 4
+                    low, high = (blk[96 + k % 8] >> (4 * (k // 8))) & 15, (blk[104 + k % 4] >> (2 * (k // 4))) & 3
+                    ds[dst, 8 * s + k // 2, k % 2] = np.int8((low | (high << 4)) - 32)
+            else:
+                d[dst, s] = blk[80] | (np.uint16(blk[81]) << 8)
+                m[dst, s] = (blk[82] | (np.uint16(blk[83]) << 8)) ^ 0x8000  # -dmin: the sign bit flipped
+                for k in range(16):
+                    ds[dst, 8 * s + k // 2, k % 2] = blk[k] & 15
+                    ms[dst, 8 * s + k // 2, k % 2] = blk[k] >> 4
+            for g in range(8):
+                at, shift = q + 32 * (g // 4), 2 * (g % 4)
+                for p in range(8):
+                    v = 0
+                    for e in range(2):
+                        for h in range(2):  # the low nibble: input 2p + e, the high one: 2p + e + 16
+                            t = 2 * p + e + 16 * h
+                            code = (blk[at + t] >> shift) & 3
+                            if three:
+                                code |= (((blk[t] >> g) & 1) ^ 1) << 2
+                            v |= np.uint16(code) << (8 * e + 4 * h)
+                    out[a, (8 * s + g) * 8 + p, c] = v
+
+
+@njit(cache=True, nogil=True)
 def _gather_codes(src, rows, first, out):  # pragma: no cover - compiled
     """src [R, G, P] a weight's code bytes in pairs (uint16; a view of the file's blocks, or of blocks
     made by _parse) -> out as _k_codes writes it: output row first + i is src's row rows[i]."""
@@ -224,7 +282,9 @@ def _gather_codes(src, rows, first, out):  # pragma: no cover - compiled
                 out[a, g * pairs + p, c] = src[rows[i], g, p]
 
 
-COMPILED_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types _k_codes and _q6k_codes convert (FileBlocks)
+# the types the compiled loops above convert (FileBlocks), and how each's scales are held
+COMPILED_TYPES = {"Q4_K": "SUB_MIN", "Q5_K": "SUB_MIN", "Q6_K": "SUB", "IQ4_XS": "SUB", "Q3_K": "SUB",
+                  "Q2_K": "SUB_MIN"}
 # the types whose codes are the file's bytes as they are: (first byte of the codes in a block, fp16 d's, m's)
 AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None), "IQ4_NL": (2, 0, None)}
 # a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
@@ -234,8 +294,13 @@ INT8_KINDS = ("q8", "q8h", "q8hm")
 
 def _scale_arrays(type_name: str, n: int, supers: int) -> tuple:
     """Empty (d, m, ds, ms) for n rows of a compiled type: fp16 bits (uint16) and int8 (None: not held)."""
-    if type_name == "Q6_K":
+    if type_name in ("Q6_K", "Q3_K"):
         return np.empty((n, supers), np.uint16), None, np.empty((n, 8 * supers, 2), np.int8), None
+    if type_name == "IQ4_XS":
+        return np.empty((n, supers), np.uint16), None, np.empty((n, 8 * supers), np.int8), None
+    if type_name == "Q2_K":
+        return (np.empty((n, supers), np.uint16), np.empty((n, supers), np.uint16),
+                np.empty((n, 8 * supers, 2), np.int8), np.empty((n, 8 * supers, 2), np.int8))
     return (np.empty((n, supers), np.uint16), np.empty((n, supers), np.uint16), np.empty((n, 8 * supers), np.int8),
             np.empty((n, 8 * supers), np.int8))
 
@@ -408,7 +473,7 @@ class FileBlocks(WeightBlocks):
         if type_name in AS_FILED:
             layout = vector_matmul.F16 if AS_FILED[type_name][2] is None else vector_matmul.F16_MIN
         elif type_name in COMPILED_TYPES:
-            layout = vector_matmul.SUB if type_name == "Q6_K" else vector_matmul.SUB_MIN
+            layout = getattr(vector_matmul, COMPILED_TYPES[type_name])
         else:  # the layout the parsed blocks hold (a row of them is enough to say)
             layout = WeightBlocks._parsed(type_name, b[:1]).layout
         return cls(kind, layout, b.shape[1] * per, [(type_name, b, np.arange(b.shape[0]))], [], arena)
@@ -447,8 +512,16 @@ class FileBlocks(WeightBlocks):
             held = tuple(a for a in scales if a is not None)
             first = 0
             for name, b, rows in self._segments:
-                fn, args = (_q6k_codes, (b,)) if name == "Q6_K" else (_k_codes, (b, name == "Q5_K"))
-                fn(*args, rows, first, out, *held)
+                if name == "Q6_K":
+                    _q6k_codes(b, rows, first, out, *held)
+                elif name == "IQ4_XS":
+                    _iq4xs_codes(b, rows, first, out, *held)
+                elif name in ("Q3_K", "Q2_K"):  # Q3_K holds no m: its arrays' places get unused stand-ins
+                    d, *rest = held
+                    extra = (d, rest[0], rest[0]) if name == "Q3_K" else tuple(rest)
+                    _low_bit_codes(b, name == "Q3_K", rows, first, out, d, *extra)
+                else:
+                    _k_codes(b, name == "Q5_K", rows, first, out, *held)
                 first += len(rows)
             d, m, ds, ms = scales
             scales = (_tensor(d.view(np.float16)), None if m is None else _tensor(m.view(np.float16)),
