@@ -270,6 +270,35 @@ def _low_bit_codes(b, three, rows, first, out, d, m, ds, ms):  # pragma: no cove
 
 
 @njit(cache=True, nogil=True)
+def _q5_codes(b, one, rows, first, out, d, m):  # pragma: no cover - compiled
+    """Q5_0 (one False; m unused) or Q5_1 blocks b [R, G, 22 or 24] -> out: q5's / q5m's 10 pairs a block,
+    the file's nibble bytes as they are, then the plane of 5th bits (of u ^ 16 for Q5_0: its offset): byte j
+    holding input j + 4 i's at bit i; d (and m) [N, G] the fp16 bits."""
+    lanes = out.shape[2]
+    at = 4 if one else 2  # qh, a little-endian uint32 whose bit t is input t's 5th bit, then the nibbles
+    flip = 0 if one else 1
+    for i in range(rows.shape[0]):
+        dst = first + i
+        a, c = dst // lanes, dst % lanes
+        for g in range(b.shape[1]):
+            blk = b[rows[i], g]
+            d[dst, g] = blk[0] | (np.uint16(blk[1]) << 8)
+            if one:
+                m[dst, g] = blk[2] | (np.uint16(blk[3]) << 8)
+            qh = np.uint32(blk[at]) | (np.uint32(blk[at + 1]) << 8) | (np.uint32(blk[at + 2]) << 16) | \
+                (np.uint32(blk[at + 3]) << 24)
+            for p in range(8):
+                out[a, g * 10 + p, c] = blk[at + 4 + 2 * p] | (np.uint16(blk[at + 5 + 2 * p]) << 8)
+            for p in range(2):
+                v = 0
+                for e in range(2):
+                    j = 2 * p + e
+                    for bit in range(8):
+                        v |= np.uint16(((qh >> (j + 4 * bit)) & 1) ^ flip) << (bit + 8 * e)
+                out[a, g * 10 + 8 + p, c] = v
+
+
+@njit(cache=True, nogil=True)
 def _gather_codes(src, rows, first, out):  # pragma: no cover - compiled
     """src [R, G, P] a weight's code bytes in pairs (uint16; a view of the file's blocks, or of blocks
     made by _parse) -> out as _k_codes writes it: output row first + i is src's row rows[i]."""
@@ -284,7 +313,7 @@ def _gather_codes(src, rows, first, out):  # pragma: no cover - compiled
 
 # the types the compiled loops above convert (FileBlocks), and how each's scales are held
 COMPILED_TYPES = {"Q4_K": "SUB_MIN", "Q5_K": "SUB_MIN", "Q6_K": "SUB", "IQ4_XS": "SUB", "Q3_K": "SUB",
-                  "Q2_K": "SUB_MIN"}
+                  "Q2_K": "SUB_MIN", "Q5_0": "F16", "Q5_1": "F16_MIN"}
 # the types whose codes are the file's bytes as they are: (first byte of the codes in a block, fp16 d's, m's)
 AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None), "IQ4_NL": (2, 0, None)}
 # a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
@@ -292,8 +321,13 @@ PAIRS = {"q4": 8, "q4i": 8, "q3h": 8, "q2hm": 8, "q8": 16, "q8h": 16, "q8hm": 16
 INT8_KINDS = ("q8", "q8h", "q8hm")
 
 
-def _scale_arrays(type_name: str, n: int, supers: int) -> tuple:
-    """Empty (d, m, ds, ms) for n rows of a compiled type: fp16 bits (uint16) and int8 (None: not held)."""
+def _scale_arrays(type_name: str, n: int, groups: int) -> tuple:
+    """Empty (d, m, ds, ms) for n rows of groups blocks of a compiled type: fp16 bits (uint16) and int8 (None:
+    not held)."""
+    if type_name in ("Q5_0", "Q5_1"):  # an fp16 d (and m) per block
+        return np.empty((n, groups), np.uint16), np.empty((n, groups), np.uint16) if type_name == "Q5_1" else None, \
+            None, None
+    supers = groups // SUPER
     if type_name in ("Q6_K", "Q3_K"):
         return np.empty((n, supers), np.uint16), None, np.empty((n, 8 * supers, 2), np.int8), None
     if type_name == "IQ4_XS":
@@ -508,7 +542,7 @@ class FileBlocks(WeightBlocks):
         if n % lanes:
             out[-1, :, n % lanes:] = 0  # a partial tile's rows past N
         if self._segments[0][0] in COMPILED_TYPES:  # the loops write the scales too, every row in place
-            scales = _scale_arrays(self._segments[0][0], n, k // GROUP // SUPER)
+            scales = _scale_arrays(self._segments[0][0], n, k // GROUP)
             held = tuple(a for a in scales if a is not None)
             first = 0
             for name, b, rows in self._segments:
@@ -520,6 +554,8 @@ class FileBlocks(WeightBlocks):
                     d, *rest = held
                     extra = (d, rest[0], rest[0]) if name == "Q3_K" else tuple(rest)
                     _low_bit_codes(b, name == "Q3_K", rows, first, out, d, *extra)
+                elif name in ("Q5_0", "Q5_1"):  # (Q5_0 holds no m: d stands in)
+                    _q5_codes(b, name == "Q5_1", rows, first, out, held[0], held[-1])
                 else:
                     _k_codes(b, name == "Q5_K", rows, first, out, *held)
                 first += len(rows)
