@@ -59,10 +59,12 @@ CACHE = BENCH / ".cache"
 TOOLS = CACHE / "llama-tools" / "bin"
 MODELS = CACHE / "models"
 OUT = BENCH / "results" / "models.md"
-TYPES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")  # Q4_1: the embedded file itself
+# Q4_1: the embedded file itself; the low-bit ones last (Q3_K_M, Q2_K, IQ4_XS, IQ4_NL: kinds q3h, q2hm, q4i)
+TYPES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL")
 # The large files (bench/make_shaped_model.py's random weights in a real model's shape), where
 # present: decode reads the whole file a token, so they measure bandwidth, not arithmetic
 SHAPED = (("1.7B Q4_0", "shaped-1.7b.Q4_0.gguf"), ("1.7B Q4_K_M", "shaped-1.7b.Q4_K_M.gguf"),
+          ("1.7B Q3_K_M", "shaped-1.7b.Q3_K_M.gguf"), ("1.7B IQ4_XS", "shaped-1.7b.IQ4_XS.gguf"),
           ("8B Q4_K_M", "shaped-8b.Q4_K_M.gguf"))
 # One file per family (bench/make_shaped_model.py FAMILY_SHAPES), where present
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mamba2")
@@ -315,6 +317,11 @@ def files(models: str = "all", only: list[str] | None = None) -> list[tuple[str,
             raise SystemExit(f"no {names}.Q4_K_M.gguf in {MODELS}: run MODELS=families bash bench/setup_models.sh")
         return family_files(only)
     out = []
+    if only:  # some rows of the main table, by name (--only)
+        known = {ty: None for ty in TYPES} | dict(SHAPED)
+        return [(ty, embedded_model_path() if ty == "Q4_1" else str(MODELS / (known[ty] or
+                                                                        f"SmolLM2-135M-Instruct.{ty}.gguf")))
+                for ty in only]
     for ty in TYPES:
         path = embedded_model_path() if ty == "Q4_1" else str(MODELS / f"SmolLM2-135M-Instruct.{ty}.gguf")
         if not os.path.exists(path):
@@ -393,6 +400,8 @@ def main(models: str = "all", only: list[str] | None = None) -> None:
         commit = f"{commit}, then {now} (the tree changed during the run)"
     if models == "families":
         write_families(results, rounds, name, flags, load0, time.time() - t0, commit, write=not only)
+    elif only:  # printed above, models.md left as it is
+        return
     else:
         write([r for r in results if r[0] not in FAMILIES], rounds, name, flags, load0, time.time() - t0, commit,
               bandwidth)
@@ -598,12 +607,17 @@ if __name__ == "__main__":
     ap.add_argument("--family", action="append", choices=FAMILIES, metavar="NAME",
                     help="with --models families: only this family's row (repeatable), printed, models.md left as "
                          f"it is (one of {', '.join(FAMILIES)}; BENCH_ROUNDS=1 for one round a peer)")
+    ap.add_argument("--only", action="append", metavar="ROW",
+                    help="only this row of the main table (repeatable: " + ", ".join([*TYPES, *dict(SHAPED)])
+                    + "), printed, models.md left as it is")
     args = ap.parse_args()
     if args.family and args.models != "families":
         ap.error("--family takes --models families")
+    if args.only and (args.models != "all" or set(args.only) - {*TYPES, *dict(SHAPED)}):
+        ap.error("--only takes rows of the main table")
     if args.bandwidth:
         print(f"{read_bandwidth():.3f}", flush=True)
     elif args.kvgen:
         print(json.dumps(kvgen_round(args.kvgen)), flush=True)
     else:
-        main(args.models, args.family)
+        main(args.models, args.family or args.only)

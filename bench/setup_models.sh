@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up `make bench-models` (bench/models.py): llama.cpp's `llama-quantize` and `llama-bench`, and
-# the embedded model re-encoded as Q4_K_M, Q5_K_M, Q6_K and Q8_0, all offline and under
+# the embedded model re-encoded as Q4_K_M, Q5_K_M, Q6_K, Q8_0 and the low-bit Q3_K_M, Q2_K, IQ4_XS,
+# IQ4_NL, all offline and under
 # bench/.cache (git-ignored). Never runs in `make test`.
 #
 #   bash bench/setup_models.sh        (idempotent: each step is skipped when done; FORCE=1 redoes all)
@@ -35,7 +36,7 @@ src="$cache/llamacpp-src"
 tools="$cache/llama-tools"
 conv="$cache/convert-venv"
 models="$cache/models"
-types=(${MODEL_TYPES:-Q4_K_M Q5_K_M Q6_K Q8_0})
+types=(${MODEL_TYPES:-Q4_K_M Q5_K_M Q6_K Q8_0 Q3_K_M Q2_K IQ4_XS IQ4_NL})
 only="${MODELS:-all}"
 [[ "$only" == families ]] && types=()
 force="${FORCE:-0}"
@@ -166,7 +167,8 @@ convert_args=()  # extra convert_hf_to_gguf.py arguments for shaped_files (step 
 shaped=(${SHAPED-1.7b 8b})
 [[ "$only" == families ]] && shaped=()
 for shape in "${shaped[@]}"; do
-    case "$shape" in 1.7b) qtypes=(Q4_0 Q4_K_M) ;; 8b) qtypes=(Q4_K_M) ;; *) echo "unknown shape $shape" >&2; exit 1 ;; esac
+    case "$shape" in 1.7b) qtypes=(Q4_0 Q4_K_M Q3_K_M IQ4_XS) ;; 8b) qtypes=(Q4_K_M) ;;
+        *) echo "unknown shape $shape" >&2; exit 1 ;; esac
     need=0
     for ty in "${qtypes[@]}"; do [[ "$force" == 1 || ! -s "$models/shaped-$shape.$ty.gguf" ]] && need=1; done
     [[ "$need" == 1 ]] || continue
