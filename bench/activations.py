@@ -1,13 +1,14 @@
-"""Fidelity of CPU_ACTIVATIONS: greedy agreement with transformers' fp32 model on the embedded Q4_1 GGUF,
-kvgen with int16 activations (the default) and with int8, and llama.cpp (llama-server's greedy tokens on the
-same file) beside them, in one run. Writes bench/results/activations.md.
+"""Fidelity of CPU_ACTIVATIONS: greedy agreement with transformers' fp32 model on the embedded Q4_1 GGUF (or
+the GGUFs --model names, each against transformers on its own dequantized weights), kvgen with int16
+activations (the default) and with int8, and llama.cpp (llama-server's greedy tokens on the same file) beside
+them, in one run. Writes bench/results/activations.md.
 
 32 prompts, 24 greedy tokens each (EOS ignored): the mean length of the prefix each continuation shares with
 transformers'. Few prompts mislead: one early flip costs a prompt up to 24 (8 prompts put int8 below
 llama.cpp, 32 above it, the same day). Each kvgen setting runs in a process of its own (the kernels are built
 for it when kvgen.cpu is imported).
 
-    make bench-activations   (or .venv/bin/python bench/activations.py)
+    make bench-activations   (or .venv/bin/python bench/activations.py [--model A.gguf B.gguf ...])
 """
 
 from __future__ import annotations
@@ -44,11 +45,17 @@ def prompts() -> list[list[int]]:
     return [tok(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
 
 
+def use_model(path: str) -> None:
+    """peers' model (the tokenizer, transformers' oracle, kvgen's and llama-server's file) made the GGUF at path:
+    peers joins its folder and MODEL_FILE, and an absolute MODEL_FILE wins the join."""
+    peers.MODEL_FILE = os.path.abspath(path)
+
+
 def kvgen_greedy(activations: str) -> tuple[list[list[int]], str]:
     """(greedy ids, GetModelInfo.cpu_kernels) of a kvgen built for `activations`, in a process of its own."""
     env = dict(os.environ, CPU_ACTIVATIONS=activations)
-    r = subprocess.run([sys.executable, __file__, "--kvgen"], env=env, capture_output=True, text=True, cwd=ROOT,
-                       timeout=1800, check=True)
+    r = subprocess.run([sys.executable, __file__, "--kvgen", peers.model_path()], env=env, capture_output=True,
+                       text=True, cwd=ROOT, timeout=1800, check=True)
     out = json.loads(r.stdout.strip().splitlines()[-1])
     return out["ids"], out["kernels"]
 
@@ -91,10 +98,12 @@ def llama_server_greedy(ids: list[list[int]]) -> list[list[int]] | None:
         proc.wait(30)
 
 
-def main() -> None:
+def one_model() -> list[tuple[str, str, float]]:
+    """(engine, kernels, mean agreement) of each engine on peers' model against transformers on the same file."""
     from kvgen.cpu.threads import in_fresh_thread
 
-    t0 = time.perf_counter()
+    peers._tokenizer.cache_clear()
+    peers._model.cache_clear()
     ids = prompts()
     oracle = in_fresh_thread(peers.transformers_greedy, ids, TOKENS)
     rows = []
@@ -104,20 +113,36 @@ def main() -> None:
     llama = llama_server_greedy(ids)
     if llama is not None:
         rows.append(("llama.cpp (llama-server)", "its CPU backend (int8 activations)", cpu.agreement(oracle, llama)))
+    return rows
+
+
+def main(models: list[str]) -> None:
+    t0 = time.perf_counter()
+    results = []
+    for path in models or [peers.model_path()]:
+        use_model(path)
+        results.append((os.path.basename(path), one_model()))
+        print(results[-1], flush=True)
     lines = ["# Fidelity of the CPU kernels' activations\n",
              f"{datetime.date.today()} · {peers.cpu_name()} · {peers.cores()} cores · `bench/activations.py` "
              f"({time.perf_counter() - t0:.0f} s)\n",
-             f"Mean greedy prefix (of {TOKENS} tokens) agreeing with transformers' fp32 model on the embedded "
-             f"SmolLM2-135M Q4_1 GGUF, over {len(ids)} prompts (EOS ignored).\n",
-             "| engine | kernels | greedy agree /24 |", "|---|---|---:|"]
-    lines += [f"| {name} | {kernels} | {agree:.2f} |" for name, kernels, agree in rows]
+             f"Mean greedy prefix (of {TOKENS} tokens) agreeing with transformers' fp32 model on the same GGUF "
+             f"(SmolLM2-135M: the embedded Q4_1, or its re-encodings), over {len(TEXTS)} prompts (EOS ignored).\n",
+             "| file | engine | kernels | greedy agree /24 |", "|---|---|---|---:|"]
+    lines += [f"| {name} | {engine} | {kernels} | {agree:.2f} |" for name, rows in results
+              for engine, kernels, agree in rows]
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--kvgen"]:
+    if sys.argv[1:2] == ["--kvgen"]:
+        use_model(sys.argv[2])
         _kvgen_round()
     else:
-        main()
+        import argparse
+
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--model", nargs="+", default=[], help="GGUF files of the embedded model (default: it)")
+        main(ap.parse_args().model)

@@ -1,10 +1,11 @@
-"""The int8-activation q4 prototype (kvgen/cpu/int8_matmul.py) against the int16 kernels kvgen runs.
+"""The int8-activation kernels (kvgen/cpu/int8_matmul.py: q4, q8, q5, q5m, q6h) against the int16 kernels kvgen
+runs by default.
 
-    .venv/bin/python bench/int8_matmul.py [--types Q4_K Q4_0] [--rows 1 4 16 64 512] [--reps 7]
+    .venv/bin/python bench/int8_matmul.py [--types Q4_K Q4_0 Q8_0 Q6_K Q5_K Q5_0 Q5_1] [--rows 1 4 16 64 512]
 
-Same weights (random Q4_K / Q4_0 blocks, the shapes of a 1.7B llama's matrices), same activations,
-both kernels on the process's Numba threads: block_matmul.q4_linear (int16 activations, vpdpwssd;
-AMX tiles from 12 rows where the CPU has them) and int8_matmul.q4_linear_int8 (int8, vpdpbusd), the
+Same weights (random blocks of each type, the shapes of a 1.7B llama's matrices), same activations,
+both kernels on the process's Numba threads: block_matmul's linear of the type's kind (int16 activations,
+vpdpwssd; AMX tiles from 12 rows where the CPU has them, q4 and q8) and int8_matmul's (int8, vpdpbusd), the
 activations' rounding included in both. Prints each one's best time in ms (--reps calls at least,
 after a warm-up call, the two kernels called in turn, more calls until each has run 0.3 s), the
 ratio, the weights' GB/s at 1 row (one weight called over and over: from the caches, its 2.4 to
@@ -36,7 +37,10 @@ from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks  # noqa: E402
 # (name, N, K): a 1.7B llama (2048 wide, 8192 MLP): q (and o), gate|up fused, down
 SHAPES = (("q/o 2048x2048", 2048, 2048), ("gate|up 16384x2048", 16384, 2048), ("down 2048x8192", 2048, 8192))
 # a random block's fp16 fields: (byte offset, magnitude), as tests/cpu/test_weight_blocks.py's
-FP16_FIELDS = {"Q4_0": ((0, 2e-2),), "Q4_K": ((0, 2e-4), (2, 1e-3))}
+FP16_FIELDS = {"Q4_0": ((0, 2e-2),), "Q4_1": ((0, 2e-2), (2, 0.1)), "Q4_K": ((0, 2e-4), (2, 1e-3)),
+               "Q8_0": ((0, 2e-3),), "Q5_0": ((0, 1e-2),), "Q5_1": ((0, 5e-3), (2, 0.1)),
+               "Q5_K": ((0, 1e-4), (2, 1e-3)), "Q6_K": ((208, 5e-5),)}
+NO_LAYOUT = ("q5", "q6h")  # the kinds of one scale layout: their linears take no layout argument
 ERR_ROWS = 1024  # output rows the error is measured on
 
 
@@ -53,14 +57,22 @@ def random_blocks(type_name: str, n: int, k: int, seed: int) -> np.ndarray:
 
 
 def int16(weights: list, x: np.ndarray, y: np.ndarray, room) -> None:
-    """y = x W^T through the int16 path, for each (qs, scales, layout) of weights in turn."""
-    for qs, scales, layout in weights:
-        block_matmul.q4_linear(x, qs, scales, layout, y, room)
+    """y = x W^T through the int16 path, for each (kind, qs, scales, layout) of weights in turn."""
+    for kind, qs, scales, layout in weights:
+        linear = getattr(block_matmul, f"{kind}_linear")
+        if kind in NO_LAYOUT:
+            linear(x, qs, scales, y, room)
+        else:
+            linear(x, qs, scales, layout, y, room)
 
 
 def int8(weights: list, x: np.ndarray, y: np.ndarray, room=None) -> None:
-    for qs, scales, layout in weights:
-        int8_matmul.q4_linear_int8(x, qs, scales, layout, y)
+    for kind, qs, scales, layout in weights:
+        linear = getattr(int8_matmul, f"{kind}_linear_int8")
+        if kind in NO_LAYOUT:
+            linear(x, qs, scales, y)
+        else:
+            linear(x, qs, scales, layout, y)
 
 
 def best_ms(fns, reps: int, seconds: float = 0.3, most: int = 200) -> list[float]:
@@ -81,7 +93,7 @@ def best_ms(fns, reps: int, seconds: float = 0.3, most: int = 200) -> list[float
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--types", nargs="+", default=["Q4_K", "Q4_0"])
+    ap.add_argument("--types", nargs="+", default=["Q4_K", "Q4_0", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q5_1"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 4, 16, 64, 512])
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--threads", type=int, default=0, help="Numba threads (default: all the process has)")
@@ -90,7 +102,9 @@ def main() -> None:
     ap.add_argument("--error-rows", type=int, default=16, help="activation rows the errors are measured at")
     args = ap.parse_args()
     if not features.VNNI:
-        sys.exit("this CPU has no AVX512-VNNI: the int8 kernel does not run here")
+        sys.exit("this CPU has no AVX512-VNNI: the int8 kernels do not run here")
+    if features.INT8:
+        sys.exit("run it with CPU_ACTIVATIONS unset (int16): block_matmul's linears are then the int16 ones")
     if args.threads:
         numba.set_num_threads(args.threads)
     print(f"load average {os.getloadavg()}, numba threads {numba.get_num_threads()}, path {features.path()}, "
@@ -108,7 +122,7 @@ def main() -> None:
             raw = random_blocks(type_name, n, k, seed=si)
             lin = BlockLinear(WeightBlocks.from_gguf(type_name, raw), None)
             weight_bytes = lin.qs.nbytes + lin.scales.nbytes
-            one = [(lin.qs, lin.scales, lin.layout)]
+            one = [(lin.kind, lin.qs, lin.scales, lin.layout)]
             for rows in args.rows:
                 x = rng.standard_normal((rows, k)).astype(np.float32)
                 y = np.empty((rows, lin.qs.shape[0] * TILE), np.float32)
@@ -116,7 +130,7 @@ def main() -> None:
                 old, new = best_ms([partial(int16, one, x, y, room), partial(int8, one, x, y)], args.reps)
                 gbs = " |  |  | "
                 if rows == 1:
-                    ring = [(lin.qs.copy(), lin.scales.copy(), lin.layout)
+                    ring = [(lin.kind, lin.qs.copy(), lin.scales.copy(), lin.layout)
                             for _ in range(-(-args.ring_mb * 2**20 // weight_bytes))]
                     ring_old, ring_new = best_ms([partial(int16, ring, x, y, room), partial(int8, ring, x, y)], 3, 0)
                     b = weight_bytes * len(ring)

@@ -4,8 +4,10 @@ of AMX_FROM (12) rows or more where the CPU has them (amx_matmul.py), else vecto
 kernels.
 Both give every row the same bits, so which one ran never shows in a row's output. The kinds with
 no tile kernels (q4i, q3h, q2hm, q8h, q8hm and the packed q5, q5m, q6h: weight_blocks.BLOCK_TYPES) run on the
-vector kernels at every row count. Under CPU_ACTIVATIONS=int8 (features.INT8) the q4 kind takes
-int8_matmul.py's kernel instead, at every row count: activations rounded to int8, not int16."""
+vector kernels at every row count. Under CPU_ACTIVATIONS=int8 (features.INT8) the q4, q8, q5, q5m and q6h kinds
+(Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) take int8_matmul.py's kernels instead, at every row count:
+activations rounded to int8, not int16, so a row's output still does not depend on the others. q4i, q3h, q2hm
+(IQ4_NL, IQ4_XS, Q3_K, Q2_K) and q8h, q8hm (no file type) keep int16 there too."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def q4_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     """y = x W^T for a Q8_0 weight in blocks (as q4_linear)."""
+    if INT8:
+        int8_matmul.q8_linear_int8(x, qs, scales, layout, y)
+        return
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
         amx_matmul.q8_matmul(xq, dx, qs, scales, layout, y)
@@ -86,6 +91,9 @@ def q8hm_linear(x, qs, scales, y, room, sums):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def q5_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
     """y = x W^T for packed 5-bit codes with a scale per block (Q5_0)."""
+    if INT8:
+        int8_matmul.q5_linear_int8(x, qs, scales, y)
+        return
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q5_matmul(xq, dx, qs, scales, y)
 
@@ -93,6 +101,9 @@ def q5_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def q5m_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     """y = x W^T for packed 5-bit codes with a scale and a minimum per block (Q5_1, Q5_K)."""
+    if INT8:
+        int8_matmul.q5m_linear_int8(x, qs, scales, layout, y)
+        return
     xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q5m_matmul(xq, dx, xs, qs, scales, layout, y)
 
@@ -100,5 +111,8 @@ def q5m_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def q6h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
     """y = x W^T for packed 6-bit codes with a scale per 16 inputs (Q6_K)."""
+    if INT8:
+        int8_matmul.q6h_linear_int8(x, qs, scales, y)
+        return
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q6h_matmul(xq, dx, qs, scales, y)

@@ -30,8 +30,9 @@ LANES = 16 if WIDE else 8  # weight rows per vector of sums
 # AMX-INT8 tiles for steps of many rows (amx_matmul.py), where Linux grants the process them
 AMX = VNNI and "+amx-int8" in FEATURES.split(",") and _request_amx()
 # CPU_ACTIVATIONS=int8 (the service's setting, read here because it picks what the kernels compile to):
-# q4 weights multiply activations rounded to int8 per block of 32 (int8_matmul.py: vpdpbusd, ~1.75x the
-# int16 kernels' multiply-adds from 4 rows up, at llama.cpp's activation rounding); int16, the default, keeps
+# the q4, q8, q5, q5m and q6h weights (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) multiply activations
+# rounded to int8 per block of 32 (int8_matmul.py: vpdpbusd, 1.6-2.0x the int16 kernels' multiply-adds from 16
+# rows up, Q8_0 1.4-1.6x, at llama.cpp's activation rounding; IQ4, Q3_K, Q2_K keep int16); int16, the default, keeps
 # vector_matmul's 2^-16 rounding. Every row count takes the same kernel, so a row's output still does not
 # depend on the others. Needs AVX512-VNNI; the service refuses the setting elsewhere.
 ACTIVATIONS = os.environ.get("CPU_ACTIVATIONS", "int16").strip().lower() or "int16"
@@ -41,7 +42,7 @@ INT8 = VNNI and ACTIVATIONS == "int8"
 def path() -> str:
     """The code path the block kernels were built for here (GetModelInfo.cpu_kernels and the log):
     amx (tiles for steps of amx_matmul.AMX_FROM rows or more, vpdpwssd below), avx512-vnni,
-    avx512, avx2 or portable; "+int8" where q4 weights take int8 activations (CPU_ACTIVATIONS)."""
+    avx512, avx2 or portable; "+int8" where block weights take int8 activations (CPU_ACTIVATIONS)."""
     if AMX:
         return "amx+int8" if INT8 else "amx"
     if INT8:

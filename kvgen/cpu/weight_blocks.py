@@ -619,7 +619,7 @@ def compile_kernels() -> None:
     global _compiled
     if _compiled:
         return
-    if features.INT8:  # q4_linear's int8 kernel (CPU_ACTIVATIONS=int8) and its parallel callees, first too
+    if features.INT8:  # the int8 kernels (CPU_ACTIVATIONS=int8) and their parallel callees, first too
         int8_matmul.compile_int8_kernels()
     vm = vector_matmul
     x = np.zeros((1, SUPER * GROUP), np.float32)  # one super-block: every layout's shapes hold

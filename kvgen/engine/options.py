@@ -18,9 +18,10 @@ class EngineOptions:
     weight_dtype: str = setting("auto", "weight storage: auto (on the CPU a GGUF's own blocks, Q8_0 blocks of bf16 / "
                                         "fp16 matrices, else fp32; on CUDA bf16 unless the file is fp32), gguf, "
                                         "fp32, bf16, int8 or int4")
-    cpu_activations: str = setting("", "the CPU block kernels' activations for q4 weights (Q4_0, Q4_1, Q4_K): "
-                                       "int16 (rounding 2^-16 of a block's largest) or int8 (llama.cpp's rounding, "
-                                       "~1.75x the multiply-adds from 4 rows up; AVX512-VNNI only); read when "
+    cpu_activations: str = setting("", "the CPU block kernels' activations for Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, "
+                                       "Q5_K, Q6_K and Q8_0 weights (IQ4, Q3_K, Q2_K: int16 always): int16 "
+                                       "(rounding 2^-16 of a block's largest) or int8 (llama.cpp's rounding, "
+                                       "~1.6-1.9x the multiply-adds from 16 rows up; AVX512-VNNI only); read when "
                                        "kvgen.cpu is imported, so set it in the environment (empty: as built)",
                                    shown="int16")
     kv_dtype: str = setting("auto", "KV cache storage: auto (the activations' dtype), fp32, fp16, bf16, fp8, q4, q3")
