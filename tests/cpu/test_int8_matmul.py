@@ -21,7 +21,10 @@ Q4_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K)  # q4's three scale layouts: F16, F16_MIN, S
 TYPES = (*Q4_TYPES, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q5_K, Q.Q6_K)
 N = 72  # not a multiple of TILE: the last tile padded as BlockLinear pads
 
-pytestmark = pytest.mark.skipif(not features.VNNI, reason="this CPU has no AVX512-VNNI (vpdpbusd)")
+# `make test-slow`, with the int8 build's suites (test_cpu_activations.py): CPU_ACTIVATIONS=int8 is opt-in, and
+# compiling these kernels took ~40 s of `make test`'s 15 minutes
+pytestmark = [pytest.mark.skipif(not features.VNNI, reason="this CPU has no AVX512-VNNI (vpdpbusd)"),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -135,9 +135,11 @@ def _conversations(mesh: Mesh, gateway: Smg, topics: list[str], turns: int,
             msgs.append({"role": "user", "content": f"Tell me more about {topics[i]}, part {turn + 1}."})
             gateway.wait_idle()
             if beside_long_calls and turn == 0 and i == 0:
-                with _one_long_call_in_flight(mesh) as busy:
+                # where a conversation smg has no prefix for goes is smg's choice, not kvgen's: below its
+                # cache threshold it picks the worker with the smallest prefix tree (so it depends on the
+                # traffic before), unless the loads differ by more than its balance thresholds
+                with _one_long_call_in_flight(mesh):
                     out[i].append(call(i, msgs))
-                assert out[i][0][0] != busy, "smg sent a new conversation to the busy replica"
             elif beside_long_calls and turn > 0:
                 with _one_long_call_in_flight(mesh, list(msgs)) as busy:
                     assert busy == out[i][0][0], "smg sent a conversation's long call away from its prefix"
@@ -155,11 +157,11 @@ def _kept(conversation) -> bool:
 
 
 def test_cache_aware_keeps_a_stateless_chat_on_the_replica_holding_its_prefix(mesh):
-    # smg 1.13 sends a conversation it has no prefix for to a worker with the fewest calls in flight
-    # (by its own count and the loads it polls). The first conversation starts while a long call keeps
-    # one replica busy, and lands on the other; every later turn of each conversation is made while a
-    # long call of that conversation keeps its replica busy and the other idle: a load balancer would
-    # send the turn to the idle one, cache_aware keeps it where its prefix is.
+    # The first conversation starts while a long call keeps one replica busy; every later turn of each
+    # conversation is made while a long call of that conversation keeps its replica busy and the other
+    # idle: a load balancer would send the turn to the idle one, cache_aware keeps it where its prefix is.
+    # (Where smg sends a conversation it has no prefix for is its own choice: the worker with the smallest
+    # prefix tree, below its cache threshold; a CI run saw it send the first one to the busy replica.)
     topics = ["volcanoes", "violins", "glaciers"]
     convs = _conversations(mesh, mesh.smg, topics, turns=3, beside_long_calls=True)
     for conv in convs:
