@@ -144,6 +144,12 @@ def _parse(type_name: str, b: np.ndarray) -> tuple:
 # rearranged); its scales go to row first + i of d, m (fp16 bits) and the int8 sub-block scales.
 
 
+@njit(nogil=True, inline="always")
+def _u16(blk, at):  # pragma: no cover - compiled
+    """The little-endian 16 bits at byte `at` of a block: an fp16's bits, or two code bytes as one pair."""
+    return blk[at] | (np.uint16(blk[at + 1]) << 8)
+
+
 @njit(cache=True, nogil=True)
 def _k_codes(b, five, rows, first, out, d, m, sc, mn):  # pragma: no cover - compiled
     """Q4_K (five False) or Q5_K blocks b [R, S, 144 or 176] -> out: q4's 8 pairs a block (byte i holds
@@ -156,8 +162,8 @@ def _k_codes(b, five, rows, first, out, d, m, sc, mn):  # pragma: no cover - com
         a, c = dst // lanes, dst % lanes
         for s in range(b.shape[1]):
             blk = b[rows[i], s]
-            d[dst, s] = blk[0] | (np.uint16(blk[1]) << 8)
-            m[dst, s] = (blk[2] | (np.uint16(blk[3]) << 8)) ^ 0x8000  # -dmin: the sign bit flipped
+            d[dst, s] = _u16(blk, 0)
+            m[dst, s] = _u16(blk, 2) ^ 0x8000  # -dmin: the sign bit flipped
             for j in range(4):  # get_scale_min_k4
                 dj, mj, mdj = blk[4 + j], blk[8 + j], blk[12 + j]
                 sc[dst, 8 * s + j] = dj & 63
@@ -191,7 +197,7 @@ def _q6k_codes(b, rows, first, out, d, ds):  # pragma: no cover - compiled
         a, c = dst // lanes, dst % lanes
         for s in range(b.shape[1]):
             blk = b[rows[i], s]
-            d[dst, s] = blk[208] | (np.uint16(blk[209]) << 8)
+            d[dst, s] = _u16(blk, 208)
             for j in range(16):
                 ds[dst, 8 * s + j // 2, j % 2] = blk[192 + j]
             for g in range(8):  # block g's input t: the low nibble ((g % 4) // 2) of ql[64 h + 32 (g % 2) + t],
@@ -221,14 +227,14 @@ def _iq4xs_codes(b, rows, first, out, d, ds):  # pragma: no cover - compiled
         a, c = dst // lanes, dst % lanes
         for s in range(b.shape[1]):
             blk = b[rows[i], s]
-            d[dst, s] = blk[0] | (np.uint16(blk[1]) << 8)
-            high = blk[2] | (np.uint16(blk[3]) << 8)
+            d[dst, s] = _u16(blk, 0)
+            high = _u16(blk, 2)
             for g in range(8):
                 low = (blk[4 + g // 2] >> (4 * (g % 2))) & 15
                 ds[dst, 8 * s + g] = np.int8((low | (((high >> (2 * g)) & 3) << 4)) - 32)
                 for p in range(8):
                     at = 8 + 16 * g + 2 * p
-                    out[a, (8 * s + g) * 8 + p, c] = blk[at] | (np.uint16(blk[at + 1]) << 8)
+                    out[a, (8 * s + g) * 8 + p, c] = _u16(blk, at)
 
 
 @njit(cache=True, nogil=True)
@@ -245,13 +251,13 @@ def _low_bit_codes(b, three, rows, first, out, d, m, ds, ms):  # pragma: no cove
         for s in range(b.shape[1]):
             blk = b[rows[i], s]
             if three:
-                d[dst, s] = blk[108] | (np.uint16(blk[109]) << 8)
+                d[dst, s] = _u16(blk, 108)
                 for k in range(16):  # scale k: a nibble of byte k % 8, 2 bits of byte 8 + k % 4
                     low, high = (blk[96 + k % 8] >> (4 * (k // 8))) & 15, (blk[104 + k % 4] >> (2 * (k // 4))) & 3
                     ds[dst, 8 * s + k // 2, k % 2] = np.int8((low | (high << 4)) - 32)
             else:
-                d[dst, s] = blk[80] | (np.uint16(blk[81]) << 8)
-                m[dst, s] = (blk[82] | (np.uint16(blk[83]) << 8)) ^ 0x8000  # -dmin: the sign bit flipped
+                d[dst, s] = _u16(blk, 80)
+                m[dst, s] = _u16(blk, 82) ^ 0x8000  # -dmin: the sign bit flipped
                 for k in range(16):
                     ds[dst, 8 * s + k // 2, k % 2] = blk[k] & 15
                     ms[dst, 8 * s + k // 2, k % 2] = blk[k] >> 4
@@ -282,13 +288,13 @@ def _q5_codes(b, one, rows, first, out, d, m):  # pragma: no cover - compiled
         a, c = dst // lanes, dst % lanes
         for g in range(b.shape[1]):
             blk = b[rows[i], g]
-            d[dst, g] = blk[0] | (np.uint16(blk[1]) << 8)
+            d[dst, g] = _u16(blk, 0)
             if one:
-                m[dst, g] = blk[2] | (np.uint16(blk[3]) << 8)
+                m[dst, g] = _u16(blk, 2)
             qh = np.uint32(blk[at]) | (np.uint32(blk[at + 1]) << 8) | (np.uint32(blk[at + 2]) << 16) | \
                 (np.uint32(blk[at + 3]) << 24)
             for p in range(8):
-                out[a, g * 10 + p, c] = blk[at + 4 + 2 * p] | (np.uint16(blk[at + 5 + 2 * p]) << 8)
+                out[a, g * 10 + p, c] = _u16(blk, at + 4 + 2 * p)
             for p in range(2):
                 v = 0
                 for e in range(2):
