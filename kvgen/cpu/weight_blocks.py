@@ -306,8 +306,8 @@ def _q5_codes(b, one, rows, first, out, d, m):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def _gather_codes(src, rows, first, out):  # pragma: no cover - compiled
-    """src [R, G, P] a weight's code bytes in pairs (uint16; a view of the file's blocks, or of blocks
-    made by _parse) -> out as _k_codes writes it: output row first + i is src's row rows[i]."""
+    """src [R, G, P] a weight's code bytes in pairs (uint16; a view of the file's blocks, or of a
+    WeightBlocks' codes) -> out as _k_codes writes it: output row first + i is src's row rows[i]."""
     lanes, groups, pairs = out.shape[2], src.shape[1], src.shape[2]
     for i in range(rows.shape[0]):
         dst = first + i
@@ -401,7 +401,9 @@ class WeightBlocks:
 
     @classmethod
     def _parsed(cls, type_name: str, b: np.ndarray) -> WeightBlocks:
-        """The blocks of a type neither AS_FILED nor COMPILED_TYPES, b [N, S, block bytes], by numpy."""
+        """Any type's blocks, b [N, S, block bytes], parsed by numpy: the readable reference that the compiled
+        conversions (FileBlocks: AS_FILED and COMPILED_TYPES cover every type) are held to, bit for bit, by
+        tests/cpu/test_weight_blocks.py. A load never takes it."""
         kind = BLOCK_TYPES[type_name][0]
         d, m, ds, ms, q = _parse(type_name, b)
         q = q.reshape(b.shape[0], -1, GROUP)
@@ -492,9 +494,9 @@ class WeightBlocks:
 
 class FileBlocks(WeightBlocks):
     """A GGUF tensor's blocks, not yet converted: what WeightBlocks.from_gguf gives. A BlockLinear
-    made of them writes its tiles from the file's bytes in one pass (the K-quants' through _k_codes /
-    _q6k_codes, Q4_0 / Q4_1 / Q8_0's codes as they are through _gather_codes, the other types' after
-    _parse), so the codes are written once: no [N, G, B] copy first, none for a fused weight's cat or a
+    made of them writes its tiles from the file's bytes in one pass (COMPILED_TYPES through their loops,
+    _k_codes .. _q5_codes; AS_FILED's codes as they are through _gather_codes), so the codes are written
+    once: no [N, G, B] copy first, none for a fused weight's cat or a
     part's rows rearranged (map_rows and cat note them: llama's q and k rows, which model_files
     un-permutes and the model interleaves again, are not moved at all). Every WeightBlocks field and
     method works as on the converted blocks, which the first use of one makes (and keeps)."""
@@ -512,10 +514,8 @@ class FileBlocks(WeightBlocks):
         kind, _, per = BLOCK_TYPES[type_name]
         if type_name in AS_FILED:
             layout = vector_matmul.F16 if AS_FILED[type_name][2] is None else vector_matmul.F16_MIN
-        elif type_name in COMPILED_TYPES:
+        else:
             layout = getattr(vector_matmul, COMPILED_TYPES[type_name])
-        else:  # the layout the parsed blocks hold (a row of them is enough to say)
-            layout = WeightBlocks._parsed(type_name, b[:1]).layout
         return cls(kind, layout, b.shape[1] * per, [(type_name, b, np.arange(b.shape[0]))], [], arena)
 
     @property
@@ -570,15 +570,10 @@ class FileBlocks(WeightBlocks):
                       _tensor(ds), _tensor(ms))
         else:
             parts, first = [], 0
-            for name, b, rows in self._segments:
-                if name in AS_FILED:  # the codes where the file has them, the fp16s picked out
-                    at, d_at, m_at = AS_FILED[name]
-                    src = b.view(np.uint16)[..., at // 2:at // 2 + pairs]
-                    held = [_f16(b, d_at), None if m_at is None else _f16(b, m_at), None, None]
-                else:
-                    blocks = WeightBlocks._parsed(name, b)
-                    src = blocks.qs.numpy().view(np.uint16)
-                    held = [None if t is None else t.numpy() for t in (blocks.d, blocks.m, blocks.ds, blocks.ms)]
+            for name, b, rows in self._segments:  # AS_FILED: the codes where the file has them, fp16s picked out
+                at, d_at, m_at = AS_FILED[name]
+                src = b.view(np.uint16)[..., at // 2:at // 2 + pairs]
+                held = [_f16(b, d_at), None if m_at is None else _f16(b, m_at), None, None]
                 _gather_codes(src, rows, first, out)
                 parts.append([None if t is None else t[rows] for t in held])
                 first += len(rows)

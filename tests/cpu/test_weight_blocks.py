@@ -11,7 +11,7 @@ import torch
 
 from kvgen.cpu import features
 from kvgen.cpu.vector_matmul import NIBBLE_KINDS
-from kvgen.cpu.weight_blocks import BLOCK_TYPES, COMPILED_TYPES, GROUP, PACKED, BlockLinear, WeightBlocks
+from kvgen.cpu.weight_blocks import AS_FILED, BLOCK_TYPES, COMPILED_TYPES, GROUP, PACKED, BlockLinear, WeightBlocks
 from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
 from tests.cpu.isa_build import run_in_build
@@ -64,6 +64,7 @@ def quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndar
 
 def test_the_table_lists_the_types_tested():
     assert set(BLOCK_TYPES) == {q.name for q in ALL_TYPES}
+    assert set(BLOCK_TYPES) == set(AS_FILED) | set(COMPILED_TYPES)  # every type converted by compiled code
     for q in ALL_TYPES:
         _, size, per = BLOCK_TYPES[q.name]
         assert (per, size) == gguf.GGML_QUANT_SIZES[q]
