@@ -3,10 +3,12 @@
 loaded), and to the first reply of a short completion after that, on the same GGUF files.
 
 kvgen runs as `make serve` does (`python -m kvgen.service.server`, MODEL=<file>, defaults),
-  - with its kernel cache warm (the Numba disk cache under ~/.cache/kvgen, filled by an untimed
-    start first), and
-  - cold: NUMBA_CACHE_DIR pointing at an empty folder, so every kernel it uses is compiled, as on
-    a fresh machine's first start. The cold minus the warm start is what compiling costs.
+  - warm: its kernel cache and tile cache filled (the Numba disk cache and WEIGHT_CACHE_DIR under
+    ~/.cache/kvgen, filled by an untimed start first): a restart of a server;
+  - new file: the kernel cache warm, WEIGHT_CACHE_DIR an empty folder, so the file's blocks are
+    converted to tiles (and saved, from a thread): the first start of a model file;
+  - cold: NUMBA_CACHE_DIR and WEIGHT_CACHE_DIR empty folders, so every kernel it uses is compiled, as
+    on a fresh machine's first start. The cold minus the new-file start is what compiling costs.
 llama-server (bench/setup_llama_server.sh) maps the file and has nothing to compile.
 
 Runs alternate between the servers, each alone on the machine; best and median of the rounds.
@@ -65,7 +67,8 @@ def _complete(url: str) -> None:
         r.read()
 
 
-def start(server: str, model: str, cache_dir: str | None = None, timeout: float = 900) -> dict:
+def start(server: str, model: str, cache_dir: str | None = None, tile_dir: str | None = None,
+          timeout: float = 900) -> dict:
     """Start `server` on `model`, time its first /health 200 and first reply, stop it."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -75,6 +78,8 @@ def start(server: str, model: str, cache_dir: str | None = None, timeout: float 
             env["MODEL"] = model
         if cache_dir:
             env["NUMBA_CACHE_DIR"] = cache_dir
+        if tile_dir:
+            env["WEIGHT_CACHE_DIR"] = tile_dir
         cmd = [sys.executable, "-m", "kvgen.service.server"]
     else:
         env = None
@@ -106,13 +111,16 @@ def _label(model: str) -> str:
     return "embedded Q4_1" if model == "embedded" else Path(model).name
 
 
-def measure(models: list[str], rounds: int, runs: tuple = ("kvgen warm", "llama-server", "kvgen cold")) -> dict:
+RUNS = ("kvgen warm", "llama-server", "kvgen new file", "kvgen cold")
+
+
+def measure(models: list[str], rounds: int, runs: tuple = RUNS) -> dict:
     out = {}
     for model in models:
         size = os.path.getsize(peers.model_path() if model == "embedded" else model)
-        res = {"MiB": size / 2**20, "kvgen warm": [], "kvgen cold": [], "llama-server": []}
-        if "kvgen warm" in runs:
-            start("kvgen", model)  # fills the kernel cache (untimed)
+        res = {"MiB": size / 2**20, **{name: [] for name in RUNS}}
+        if "kvgen warm" in runs or "kvgen new file" in runs:
+            start("kvgen", model)  # fills the kernel cache and the tile cache (untimed)
         for r in range(rounds):
             for name in runs:
                 if name == "llama-server" and not LLAMA_SERVER.exists():
@@ -121,7 +129,10 @@ def measure(models: list[str], rounds: int, runs: tuple = ("kvgen warm", "llama-
                     if r > 0:  # one cold start per file: it is minutes, and its spread says little
                         continue
                     with tempfile.TemporaryDirectory(prefix="kvgen-cold-numba-") as cold:
-                        res[name].append(start("kvgen", model, cold))
+                        res[name].append(start("kvgen", model, cold, os.path.join(cold, "tiles")))
+                elif name == "kvgen new file":
+                    with tempfile.TemporaryDirectory(prefix="kvgen-new-tiles-") as tiles:
+                        res[name].append(start("kvgen", model, tile_dir=tiles))
                 else:
                     res[name].append(start("llama-server" if name == "llama-server" else "kvgen", model))
                 print(f"{_label(model)} round {r + 1} {name}: {res[name][-1]}", flush=True)
@@ -137,12 +148,15 @@ def render(results: dict, rounds: int, seconds: float, load: tuple, flags: str =
              "Seconds from starting the server to its first 200 on GET /health (kvgen: SERVING, after the "
              "model is loaded and its kernels are ready; llama-server: the model loaded), and to the reply of a "
              "first 4-token completion. kvgen as `make serve` runs it (MODEL=<file>, defaults); warm: its "
-             "Numba kernel cache already filled (best and median of the rounds); cold: an empty cache "
-             "(NUMBA_CACHE_DIR), every kernel compiled, as on a fresh machine's first start (one run). "
-             "llama-server built by bench/setup_llama_server.sh from the same llama.cpp as llama-bench.", "",
-             "| file | MiB | llama-server ready s | kvgen warm ready s | warm / llama-server | kvgen cold ready s "
-             "| llama-server first reply s | kvgen warm first reply s | kvgen cold first reply s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Numba kernel cache and its tile cache (WEIGHT_CACHE_DIR) filled by an earlier start, a restart "
+             "(best and median of the rounds); new file: the tile cache empty, the file's blocks converted, "
+             "a model's first start; cold: both caches empty, every kernel compiled, as on a fresh machine's "
+             "first start (one run). llama-server built by bench/setup_llama_server.sh from the same llama.cpp "
+             "as llama-bench.", "",
+             "| file | MiB | llama-server ready s | kvgen warm ready s | warm / llama-server | kvgen new file ready s "
+             "| kvgen cold ready s | llama-server first reply s | kvgen warm first reply s "
+             "| kvgen cold first reply s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def best(xs, key, digits=2):
         return f"{min(x[key] for x in xs):.{digits}f}" if xs else "-"
@@ -151,10 +165,11 @@ def render(results: dict, rounds: int, seconds: float, load: tuple, flags: str =
         return f"{best(xs, key)} (median {statistics.median(x[key] for x in xs):.2f})" if xs else "-"
 
     for model, r in results.items():
-        ls, w, c = r["llama-server"], r["kvgen warm"], r["kvgen cold"]
+        ls, w, n, c = r["llama-server"], r["kvgen warm"], r["kvgen new file"], r["kvgen cold"]
         ratio = f"{float(best(w, 'ready')) / float(best(ls, 'ready')):.2f}x" if w and ls else "-"
         lines.append(f"| {_label(model)} | {r['MiB']:.0f} | {med(ls, 'ready')} | {med(w, 'ready')} | {ratio} "
-                     f"| {best(c, 'ready', 1)} | {best(ls, 'first')} | {best(w, 'first')} | {best(c, 'first', 1)} |")
+                     f"| {med(n, 'ready')} | {best(c, 'ready', 1)} | {best(ls, 'first')} | {best(w, 'first')} "
+                     f"| {best(c, 'first', 1)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -170,15 +185,14 @@ def main() -> None:
     servers = a.servers.split(",")
     if "llama-server" in servers and not LLAMA_SERVER.exists():
         print(f"llama-server missing ({LLAMA_SERVER}): bash bench/setup_llama_server.sh; kvgen only")
-    runs = tuple(n for n in ("kvgen warm", "llama-server", "kvgen cold") if n.split()[0] in servers
-                 and not (n == "kvgen cold" and a.no_cold))
+    runs = tuple(n for n in RUNS if n.split()[0] in servers and not (n == "kvgen cold" and a.no_cold))
     models = [m for m in a.models.split(",") if m == "embedded" or Path(m).exists()]
     load, t0 = os.getloadavg(), time.perf_counter()
     results = measure(models, a.rounds, runs)
     flags = "".join(f" {f}" for f, on in ((f"--servers {a.servers}", a.servers != "kvgen,llama-server"),
                                             ("--no-cold", a.no_cold)) if on)
     text = render(results, a.rounds, time.perf_counter() - t0, load, flags)
-    out = a.out or (RESULTS if len(runs) == 3 else None)
+    out = a.out or (RESULTS if len(runs) == len(RUNS) else None)
     if out:
         out.write_text(text)
     print(text)

@@ -584,12 +584,20 @@ class FileBlocks(WeightBlocks):
         return out, WeightBlocks(self.kind, None, *scales)
 
     def tiles(self) -> tuple[np.ndarray, np.ndarray]:
-        """(qs, scales) as BlockLinear holds them, from the file's bytes."""
-        empty = np.empty if self.arena is None else self.arena.empty
-        out, scales = self._convert(TILE, empty)
+        """(qs, scales) as BlockLinear holds them, from the file's bytes; where the arena replays a saved one
+        (weight_arena.py), its arrays as they are, nothing read or written."""
+        if self.arena is not None and self.arena.replaying:
+            (n, k), type_name = self.shape, self._segments[0][0]
+            out = self.arena.empty((-(-n // TILE), k // GROUP * PAIRS[self.kind], TILE), np.uint16)
+            scales = self.arena.empty(_tile_scales_shape(type_name, n, k), np.uint8)
+            for release in self._release:
+                release()
+        else:
+            empty = np.empty if self.arena is None else self.arena.empty
+            out, blocks = self._convert(TILE, empty)
+            scales = _tile_scales(blocks, -self.shape[0] % TILE, empty)
         qs = out.view(np.int8 if self.kind in INT8_KINDS else np.uint8)
-        return (qs.reshape(len(out), self._k // GROUP, -1, TILE, 2),
-                _tile_scales(scales, -self.shape[0] % TILE, empty))
+        return qs.reshape(len(out), self._k // GROUP, -1, TILE, 2), scales
 
     def _blocks(self) -> WeightBlocks:
         if self._converted is None:
@@ -677,6 +685,17 @@ def tile_bytes_bound(type_name: str, n: int, k: int) -> int:
     alignment included. A fused weight's tiles take no more than its parts' apart."""
     rows = -(-n // TILE) * TILE
     return rows * (k // GROUP * PAIRS[BLOCK_TYPES[type_name][0]] * 2 + k // 4) + 2 * ALIGN
+
+
+def _tile_scales_shape(type_name: str, n: int, k: int) -> tuple[int, int, int]:
+    """The shape of _tile_scales' array for n rows of k inputs of type_name, from the shapes alone."""
+    groups = k // GROUP
+    if type_name in COMPILED_TYPES:
+        held = [a for a in _scale_arrays(type_name, 1, groups) if a is not None]  # one row's: no pages made
+    else:
+        held = [np.empty((1, groups), np.uint16)] * (1 if AS_FILED[type_name][2] is None else 2)
+    supers = held[0].shape[1]
+    return -(-n // TILE), supers, TILE * sum(a.nbytes for a in held) // supers
 
 
 def _tile_scales(blocks: WeightBlocks, pad: int, empty=np.empty) -> np.ndarray:

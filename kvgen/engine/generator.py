@@ -21,8 +21,9 @@ import torch
 
 from kvgen.cpu import features
 from kvgen.cpu.threads import in_fresh_thread
+from kvgen.cpu.weight_arena import StaleArena
 from kvgen.cpu.weight_blocks import BLOCK_TYPES
-from kvgen.engine import float_weights, mamba2_files, model_files
+from kvgen.engine import float_weights, mamba2_files, model_files, tile_cache
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
@@ -37,7 +38,7 @@ from kvgen.engine.kv_samples import calibrate_format
 from kvgen.engine.lora import Adapter, AdapterInUse, AdapterStore, load_adapter
 from kvgen.engine.model import Model
 from kvgen.engine.model_mamba2 import Mamba2
-from kvgen.engine.options import EngineOptions
+from kvgen.engine.options import WEIGHT_CACHE_DIR, EngineOptions
 from kvgen.engine.request import Prompt, Request
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.scheduler import Scheduler
@@ -54,17 +55,28 @@ log = logging.getLogger("kvgen.engine")
 INLINE_TOKENIZE_CHARS = 2048
 
 
-def load_model(path: str, weight_dtype: str = "auto", device: str = "cpu") -> tuple[Model, TextTokenizer]:
-    return in_fresh_thread(_load_model, path, weight_dtype, device)  # see threads.py
+def load_model(path: str, weight_dtype: str = "auto", device: str = "cpu",
+               tile_cache_dir: str = WEIGHT_CACHE_DIR) -> tuple[Model, TextTokenizer]:
+    return in_fresh_thread(_load_model, path, weight_dtype, device, tile_cache_dir)  # see threads.py
 
 
-def _load_model(path: str, weight_dtype: str, device: str) -> tuple[Model, TextTokenizer]:
-    cfg, weights, src = (mamba2_files if mamba2_files.holds(path) else model_files).load(path)
+def _load_model(path: str, weight_dtype: str, device: str, tile_cache_dir: str = "") -> tuple[Model, TextTokenizer]:
+    if mamba2_files.holds(path):
+        cfg, weights, src = mamba2_files.load(path)
+    else:
+        cfg, weights, src = model_files.load(path, tile_cache_dir)
     tokenizer = (TextTokenizer.from_gguf(src["gguf"]) if "gguf" in src
                  else TextTokenizer.from_folder(src["folder"]))
     family = Mamba2 if cfg.architecture == "mamba2" else Model  # a state-space model has a forward of its own
-    model = family(cfg, weights, weight_dtype, device, blocks=src.get("blocks"),
-                   embedding_rows=src.get("embedding_rows"))
+    try:
+        model = family(cfg, weights, weight_dtype, device, blocks=src.get("blocks"),
+                       embedding_rows=src.get("embedding_rows"))
+    except StaleArena as e:  # the cache's entry was made by other code than its key says: never serve it
+        log.warning("%s: its saved tiles did not replay (%s); loading without them", path, e)
+        tile_cache.forget(path, tile_cache_dir)
+        return _load_model(path, weight_dtype, device)
+    if "arena" in src:
+        tile_cache.save(src["arena"], path, tile_cache_dir)
     if weight_dtype != model.weight_dtype:
         log.info("WEIGHT_DTYPE=%s chose %s on %s", weight_dtype, model.weight_dtype, device)
     if kernels := kernel_path(model):
@@ -142,7 +154,7 @@ def _make_drafter(model: Model, opts: EngineOptions, model_path: str, draft: Mod
         return PromptLookup()
     if draft is None:
         draft = _load_model(opts.draft_model or model_path or model_files.embedded_model_path(),
-                            opts.draft_weight_dtype, str(model.device))[0]
+                            opts.draft_weight_dtype, str(model.device), opts.weight_cache_dir)[0]
         if not opts.draft_model and draft.weight_dtype == model.weight_dtype:
             log.warning("SPECULATIVE=draft: the draft is the served model at its own weights (%s), so a drafted "
                         "token costs as much as decoding it; set DRAFT_WEIGHT_DTYPE or DRAFT_MODEL, or use "
@@ -241,13 +253,16 @@ class Generator:
         opts = options or EngineOptions()
         torch.set_num_threads(opts.threads or len(os.sched_getaffinity(0)))
         path = model_path or model_files.embedded_model_path()
-        model, tokenizer = load_model(path, opts.weight_dtype, opts.device)
+        model, tokenizer = load_model(path, opts.weight_dtype, opts.device, opts.weight_cache_dir)
         return cls(model, tokenizer, opts, path)
 
     def close(self) -> None:
         self.engine.stop()
         self.tiers.close()
         self.bridge.close()
+        # the pool's memory back now: finished requests and their sequences hold each other (and through their
+        # tables, the pool) until Python's cycle collector runs, which a process may not do for many closes
+        self.pool.store.clear()
 
     # requests
 

@@ -33,7 +33,7 @@ import torch
 
 from kvgen.cpu.weight_arena import WeightArena
 from kvgen.cpu.weight_blocks import BLOCK_TYPES, FileBlocks, WeightBlocks, tile_bytes_bound
-from kvgen.engine import float_weights
+from kvgen.engine import float_weights, tile_cache
 from kvgen.engine.embedding import TokenEmbedding
 from kvgen.engine.gguf_reader import GGUFFile
 from kvgen.engine.model_config import GEMMAS, ModelConfig, UnsupportedModel
@@ -106,13 +106,15 @@ class Lazy(Mapping):
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
-def load(path: str | None) -> tuple[ModelConfig, Lazy, dict]:
+def load(path: str | None, tile_cache_dir: str = "") -> tuple[ModelConfig, Lazy, dict]:
     """(config, weights, tokenizer source) for a GGUF file or an HF folder; None = embedded.
-    weights (and a GGUF's source["blocks"]) are Lazy: each lookup reads the file."""
+    weights (and a GGUF's source["blocks"]) are Lazy: each lookup reads the file. A GGUF's blocks are
+    written into source["arena"], mapped from tile_cache_dir's entry for the file where it holds one
+    (tile_cache.py)."""
     path = path or embedded_model_path()
     if os.path.isdir(path):
         return _load_hf(Path(path))
-    return _load_gguf(path)
+    return _load_gguf(path, tile_cache_dir)
 
 
 # GGUF
@@ -130,7 +132,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: str):
+def _load_gguf(path: str, tile_cache_dir: str = ""):
     reader = GGUFFile(path)  # gguf.GGUFReader, its metadata parsed fast (gguf_reader.py)
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
@@ -145,10 +147,13 @@ def _load_gguf(path: str):
     weights, blocks, rope_freqs, embedding_rows, rope_factors = {}, {}, None, None, {}
     # every matrix's tiles in one buffer, which the fused decode step then reads as they are (weight_arena.py)
     # (an F16 / BF16 matrix's Q8_0 blocks, made at load, are copied in by the step: room is left for them)
-    arena = WeightArena(sum(tile_bytes_bound(t.tensor_type.name if t.tensor_type.name in BLOCK_TYPES else "Q8_0",
-                                             *_matrix_shape(t)) for t in reader.tensors
-                            if len(t.shape) == 2 and (t.tensor_type.name in BLOCK_TYPES or
-                                                      float_weights.converts(t.tensor_type.name, _matrix_shape(t)))))
+    # (an F16 / BF16 matrix's Q8_0 blocks, made at load, are copied in by the step: room is left for them);
+    # from an earlier start of the same file where the tile cache holds it (tile_cache.py)
+    bound = sum(tile_bytes_bound(t.tensor_type.name if t.tensor_type.name in BLOCK_TYPES else "Q8_0", *_matrix_shape(t))
+                for t in reader.tensors if len(t.shape) == 2 and (t.tensor_type.name in BLOCK_TYPES or
+                                                                 float_weights.converts(t.tensor_type.name,
+                                                                                        _matrix_shape(t))))
+    arena = tile_cache.arena(path, bound, tile_cache_dir)
     for t in reader.tensors:
         if t.tensor_type.name not in FLOAT_TYPES and t.tensor_type.name not in BLOCK_TYPES:
             raise UnsupportedModel(f"{path}: tensor {t.name} is {t.tensor_type.name}, a type kvgen does not run (it "
@@ -230,7 +235,8 @@ def _load_gguf(path: str):
         file_bytes=os.path.getsize(path),
         **gemma,
     )
-    return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks), "embedding_rows": embedding_rows}
+    return cfg, Lazy(weights), {"gguf": reader, "blocks": Lazy(blocks), "embedding_rows": embedding_rows,
+                                "arena": arena}
 
 
 def _gguf_rope_scaling(reader, p: str, rope_freqs, rope_factors: dict) -> dict | None:

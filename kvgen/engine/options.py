@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+WEIGHT_CACHE_DIR = "~/.cache/kvgen/tiles"  # EngineOptions.weight_cache_dir's default (generator.load_model's too)
+
 
 def setting(default, doc: str, shown: str | None = None):
     """A dataclass field that is also a documented setting. doc: its one line of meaning;
@@ -18,6 +20,10 @@ class EngineOptions:
     weight_dtype: str = setting("auto", "weight storage: auto (on the CPU a GGUF's own blocks, Q8_0 blocks of bf16 / "
                                         "fp16 matrices, else fp32; on CUDA bf16 unless the file is fp32), gguf, "
                                         "fp32, bf16, int8 or int4")
+    weight_cache_dir: str = setting(WEIGHT_CACHE_DIR, "where a GGUF file's weights, once converted to the CPU "
+                                    "kernels' tiles, are kept (about the file's size again, one entry a file) so "
+                                    "that later starts of the same file and kvgen map them instead of converting "
+                                    "(empty: off)")
     cpu_activations: str = setting("", "the CPU block kernels' activations for Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, "
                                        "Q5_K, Q6_K and Q8_0 weights (IQ4, Q3_K, Q2_K: int16 always): int16 "
                                        "(rounding 2^-16 of a block's largest) or int8 (llama.cpp's rounding, "
