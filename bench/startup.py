@@ -115,6 +115,8 @@ RUNS = ("kvgen warm", "llama-server", "kvgen new file", "kvgen cold")
 
 
 def measure(models: list[str], rounds: int, runs: tuple = RUNS) -> dict:
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(ROOT / "kvgen")], check=True,
+                   stdout=subprocess.DEVNULL)  # kvgen's bytecode, as `make serve` writes it
     out = {}
     for model in models:
         size = os.path.getsize(peers.model_path() if model == "embedded" else model)

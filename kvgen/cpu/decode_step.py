@@ -360,7 +360,7 @@ def warm_up(layers, heads, kv_heads, head_dim, hidden, inter, norm, eps, cos, si
     _rows_parallel(SILU, h, h, norm, np.float32(eps), q, positions, tables, kv, 0, cos, sin, heads, kv_heads,
                    head_dim, gu, np.zeros((1, inter), np.float32))
     # a rank-1 span of one adapter on one row, with step's argument types (no_lora's list type)
-    lora, table = typed.List([np.zeros(2 * hidden, np.float32)]), np.zeros((1, layers, 4, 1, SPAN_FIELDS), np.int64)
+    lora, table = _adapter_list(np.zeros(2 * hidden, np.float32)), np.zeros((1, layers, 4, 1, SPAN_FIELDS), np.int64)
     table[0, 0, 0, 0] = (0, hidden, 1, 0, hidden)
     _lora(lora, table, 0, 0, np.array([[0, 0, 1]], np.int64), np.zeros(1, np.int64), h, h.copy())
 
@@ -369,5 +369,19 @@ def no_lora():
     """step's LoRA arguments for a step without adapters: an empty typed list of the adapters' flat
     float32 arrays (its type is step's argument type: one compiled step whether rows have adapters
     or not), an empty table, no rows, no groups."""
-    return (typed.List.empty_list(types.float32[::1]), np.zeros((0, 1, 4, 1, SPAN_FIELDS), np.int64),
+    return (_no_adapters(), np.zeros((0, 1, 4, 1, SPAN_FIELDS), np.int64),
             np.zeros(0, np.int64), np.zeros((0, 3), np.int64))
+
+
+# The typed lists step takes, made by compiled code that Numba's disk cache keeps: a typed.List built from
+# Python compiles its constructor anew in every process (0.2 s of a start each, #41).
+@njit(cache=True)
+def _no_adapters():
+    return typed.List.empty_list(types.float32[::1])
+
+
+@njit(cache=True)
+def _adapter_list(first):
+    out = typed.List.empty_list(types.float32[::1])
+    out.append(first)
+    return out
