@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-fast test-deps go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup bench-activations lora-adapter eagle-head clean
+.PHONY: serve test test-fast test-deps kernels go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup bench-activations lora-adapter eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 # kvgen's bytecode written first (only what changed since): where PYTHONDONTWRITEBYTECODE is set, every start
@@ -36,9 +36,13 @@ test-fast: $(STAMP) $(STUBS)
 	$(PY) -m pytest -q -m '$(PYTEST_TIERS) and not heavy'
 
 # What the clients' tests need, installed once a machine (each step is skipped when done, or when
-# its toolchain cannot be had: the tests then skip).
+# its toolchain cannot be had: the tests then skip), and the kernels the suite shares.
 test-deps: $(STAMP) $(STUBS)
-	$(MAKE) --no-print-directory -j3 go-client node-client lmeval-env
+	$(MAKE) --no-print-directory -j4 go-client node-client lmeval-env kernels
+
+# the kernels the suite shares, compiled once beside the installs, not by both workers at once
+kernels: $(STAMP) $(STUBS)
+	$(PY) -m tests.warm_kernels
 
 go-client:
 	@if command -v go >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; }; then \
