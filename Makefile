@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-fast test-deps kernels go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup bench-activations lora-adapter eagle-head clean
+.PHONY: serve test test-fast test-deps kernels converter go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup bench-activations lora-adapter eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 # kvgen's bytecode written first (only what changed since): where PYTHONDONTWRITEBYTECODE is set, every start
@@ -38,11 +38,16 @@ test-fast: $(STAMP) $(STUBS)
 # What the clients' tests need, installed once a machine (each step is skipped when done, or when
 # its toolchain cannot be had: the tests then skip), and the kernels the suite shares.
 test-deps: $(STAMP) $(STUBS)
-	$(MAKE) --no-print-directory -j4 go-client node-client lmeval-env kernels
+	$(MAKE) --no-print-directory -j5 go-client node-client lmeval-env converter kernels
 
 # the kernels the suite shares, compiled once beside the installs, not by both workers at once
 kernels: $(STAMP) $(STUBS)
 	$(PY) -m tests.warm_kernels
+
+# llama.cpp's convert_hf_to_gguf.py (its sources from the llama-cpp-python sdist) and a venv with sentencepiece
+# to run it, in ~/.cache/kvgen-tests: the family tests convert with it (tests/tiny.py)
+converter: $(STAMP)
+	$(PY) -c "from tests.tiny import converter_python, llama_cpp_sources; llama_cpp_sources(); converter_python()"
 
 go-client:
 	@if command -v go >/dev/null || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; }; then \

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import functools
 import json
 import os
 import shutil
@@ -380,10 +383,29 @@ def smollm2_hf_tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
 
 
+@contextlib.contextmanager
+def _test_cache_lock():
+    """~/.cache/kvgen-tests made by one process at a time: make test's two workers both reach for the
+    converter's venv and sources when their families' modules start together, and a venv made twice at once
+    fails (`venv --clear` removing what the other is writing)."""
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    with open(TEST_CACHE / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@functools.cache
 def llama_cpp_sources():
     """llama.cpp's sources as vendored in the llama-cpp-python sdist: bench/setup_models.sh's copy where
     it is there, else one fetched once into ~/.cache/kvgen-tests (pip download of the sdist)."""
+    with _test_cache_lock():
+        return _llama_cpp_sources()
 
+
+def _llama_cpp_sources():
     for src in (_REPO / "bench" / ".cache" / "llamacpp-src", TEST_CACHE / "llamacpp-src"):
         if (src / ".version").exists() and (src / ".version").read_text().strip() == LLAMACPP_VERSION:
             return src
@@ -405,11 +427,16 @@ def llama_cpp_sources():
     return src
 
 
+@functools.cache
 def converter_python() -> str:
     """A Python that runs convert_hf_to_gguf.py: this venv's packages plus sentencepiece (the converter
     imports it for some vocabularies). bench/setup_models.sh's convert-venv, else one made the same way
     in ~/.cache/kvgen-tests."""
+    with _test_cache_lock():
+        return _converter_python()
 
+
+def _converter_python() -> str:
     for venv in (_REPO / "bench" / ".cache" / "convert-venv", TEST_CACHE / "convert-venv"):
         py = venv / "bin" / "python"
         if py.exists() and subprocess.run([str(py), "-c", "import sentencepiece, torch"]).returncode == 0:
