@@ -84,14 +84,13 @@ class WeightArena:
         keeps it). The file's size is the arena's: the room past the carves is a hole that takes no disk."""
         used = self._ends[carves - 1] if carves else 0
         head = json.dumps({"meta": meta, "size": self.buf.size, "carves": self.carves[:carves]}).encode()
-        start = -(-(len(MAGIC) + 8 + len(head)) // PAGE) * PAGE
         part = f"{path}.{os.getpid()}.part"
         try:
             with open(part, "wb") as f:
                 f.write(MAGIC + len(head).to_bytes(8, "little") + head)
-                f.seek(start)
+                f.seek(_data_start(len(head)))
                 f.write(memoryview(self.buf[:used]))
-                f.truncate(start + self.buf.size)
+                f.truncate(_data_start(len(head)) + self.buf.size)
             os.replace(part, path)
         except BaseException:
             if os.path.exists(part):
@@ -103,25 +102,20 @@ class WeightArena:
         """The meta a saved arena was saved with; None if path is not one."""
         try:
             with open(path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    return None
-                head = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+                head, _ = _read_head(f)
         except (OSError, ValueError):
             return None
         return head.get("meta")
 
     @classmethod
-    def mapped(cls, path: str, nbytes: int) -> WeightArena | None:
-        """The arena saved at path, mapped privately, to replay its carves; None if path holds no arena of
-        nbytes (a file of an older format, cut short, or saved for another bound)."""
+    def mapped(cls, path: str, nbytes: int, meta: dict) -> WeightArena | None:
+        """The arena saved at path with meta, mapped privately, to replay its carves; None if path holds no
+        such arena of nbytes (another meta, an older format, cut short, or saved for another bound)."""
         try:
             with open(path, "rb") as f:
-                if f.read(len(MAGIC)) != MAGIC:
-                    return None
-                n = int.from_bytes(f.read(8), "little")
-                head = json.loads(f.read(n))
-                start = -(-(len(MAGIC) + 8 + n) // PAGE) * PAGE
-                if head["size"] != max(nbytes, ALIGN) or os.fstat(f.fileno()).st_size != start + head["size"]:
+                head, start = _read_head(f)
+                if head.get("meta") != meta or head["size"] != max(nbytes, ALIGN) or \
+                        os.fstat(f.fileno()).st_size != start + head["size"]:
                     return None
                 m = mmap.mmap(f.fileno(), head["size"], access=mmap.ACCESS_COPY, offset=start)
         except (OSError, ValueError, KeyError):
@@ -129,3 +123,16 @@ class WeightArena:
         m.madvise(mmap.MADV_WILLNEED)  # read ahead what is not in the page cache yet
         saved = [(tuple(shape), dtype) for shape, dtype in head["carves"]]
         return cls(head["size"], np.frombuffer(m, np.uint8), saved)
+
+
+def _data_start(head_bytes: int) -> int:
+    """Where a saved arena's bytes begin: the first page after the magic, the header's length and the header."""
+    return -(-(len(MAGIC) + 8 + head_bytes) // PAGE) * PAGE
+
+
+def _read_head(f) -> tuple[dict, int]:
+    """(header, where the bytes begin) of the saved arena open in f; ValueError if f holds none."""
+    if f.read(len(MAGIC)) != MAGIC:
+        raise ValueError("not a saved arena")
+    n = int.from_bytes(f.read(8), "little")
+    return json.loads(f.read(n)), _data_start(n)

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 from kvgen.cpu import features
@@ -36,6 +37,7 @@ SUFFIX = ".tiles"
 FINGERPRINT = 1 << 20
 PART_AGE_S = 3600  # a half-written entry older than this was left by a process that ended mid-write
 _saving: set[threading.Thread] = set()
+_keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a new arena's file key, taken at its load
 
 
 @functools.cache
@@ -68,13 +70,16 @@ def _entry(folder: str, model: str) -> str:
 
 def arena(model: str, nbytes: int, folder: str) -> WeightArena:
     """The arena for model's tiles: its saved entry in folder mapped back, where one matches; else a new one
-    (`replaying` False), which save() then keeps."""
-    if folder:
-        entry = _entry(folder, model)
-        if WeightArena.meta_of(entry) == _key(model) and (mapped := WeightArena.mapped(entry, nbytes)):
-            log.info("%s: its tiles mapped from %s", os.path.basename(model), entry)
-            return mapped
-    return WeightArena(nbytes)
+    (`replaying` False), which save() then keeps under the key the file had now, at its load."""
+    if not folder:
+        return WeightArena(nbytes)
+    key, entry = _key(model), _entry(folder, model)
+    if mapped := WeightArena.mapped(entry, nbytes, key):
+        log.info("%s: its tiles mapped from %s", os.path.basename(model), entry)
+        return mapped
+    fresh = WeightArena(nbytes)
+    _keys[fresh] = key
+    return fresh
 
 
 def forget(model: str, folder: str) -> None:
@@ -91,9 +96,10 @@ def save(arena: WeightArena, model: str, folder: str) -> None:
     (the write is memory-bound and gives up the GIL; flush() waits for it); nothing where folder is empty or
     the arena was mapped. A failure (a read-only or full disk) is logged, not raised: the server runs as it
     would without the folder."""
-    if not folder or arena.saved or not arena.carves:
+    key = _keys.pop(arena, None)  # (none: a mapped arena, or the folder was off at load)
+    if not folder or key is None or not arena.carves:
         return
-    key, entry, carves = _key(model), _entry(folder, model), len(arena.carves)  # the carves written by now
+    entry, carves = _entry(folder, model), len(arena.carves)  # the carves written by now
 
     def write():
         try:

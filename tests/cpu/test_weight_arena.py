@@ -47,7 +47,7 @@ def test_a_files_tiles_in_its_arena_are_the_heaps_bits_within_the_bound(qtype):
 def test_a_saved_arena_maps_back_and_replays_its_carves_over_its_bytes(tmp_path):
     """save writes the carves counted (not those after), as a file of the arena's size whose room past them
     takes no disk; mapped gives writable arrays over those bytes at the same offsets, copy-on-write (the file
-    stays as saved), then carves fresh room; another order of carves, another bound or another file is refused."""
+    stays as saved), then carves fresh room; another order of carves, another bound, meta or file is refused."""
     from kvgen.cpu.weight_arena import StaleArena
 
     arena = WeightArena(1 << 20)
@@ -57,7 +57,7 @@ def test_a_saved_arena_maps_back_and_replays_its_carves_over_its_bytes(tmp_path)
     path = str(tmp_path / "arena")
     arena.save(path, {"key": 1}, 2)
     assert WeightArena.meta_of(path) == {"key": 1} and os.stat(path).st_blocks * 512 < 64 << 10
-    mapped = WeightArena.mapped(path, 1 << 20)
+    mapped = WeightArena.mapped(path, 1 << 20, {"key": 1})
     assert mapped.replaying and mapped.room == arena.buf.size
     a2 = mapped.empty((3, 5), np.float32)
     b2 = mapped.empty((7,), np.int8)
@@ -65,10 +65,12 @@ def test_a_saved_arena_maps_back_and_replays_its_carves_over_its_bytes(tmp_path)
     assert (mapped.offset(a2), mapped.offset(b2)) == (arena.offset(a), arena.offset(b))
     a2[...], fresh = 0, mapped.empty(100, np.uint8)
     assert (fresh == 0).all() and mapped.offset(fresh) == arena.offset(b) + ALIGN
-    assert np.array_equal(WeightArena.mapped(path, 1 << 20).empty((3, 5), np.float32), a)  # the file as saved
+    again = WeightArena.mapped(path, 1 << 20, {"key": 1})
+    assert np.array_equal(again.empty((3, 5), np.float32), a)  # the file as saved
     with pytest.raises(StaleArena):
-        WeightArena.mapped(path, 1 << 20).empty((5, 3), np.float32)
-    assert WeightArena.mapped(path, 1 << 19) is None
+        WeightArena.mapped(path, 1 << 20, {"key": 1}).empty((5, 3), np.float32)
+    assert WeightArena.mapped(path, 1 << 19, {"key": 1}) is None
+    assert WeightArena.mapped(path, 1 << 20, {"key": 2}) is None
     (tmp_path / "other").write_bytes(b"GGUF" + bytes(100))
     other = str(tmp_path / "other")
-    assert WeightArena.mapped(other, 1 << 20) is None and WeightArena.meta_of(other) is None
+    assert WeightArena.mapped(other, 1 << 20, {"key": 1}) is None and WeightArena.meta_of(other) is None

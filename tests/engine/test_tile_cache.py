@@ -121,7 +121,7 @@ def test_an_entry_that_does_not_replay_is_dropped_and_the_file_loaded_without_it
     folder = tmp_path / "tiles"
     size = _load(mixed_file, folder).layers[0].o.arena.buf.size
     entry = tile_cache._entry(str(folder), str(mixed_file))
-    arena = WeightArena.mapped(entry, size)
+    arena = WeightArena.mapped(entry, size, WeightArena.meta_of(entry))
     for shape, dtype in arena.saved:
         arena.empty(shape, dtype)
     arena.carves[0], arena.carves[1] = arena.carves[1], arena.carves[0]  # the first codes and scales swapped
