@@ -175,6 +175,11 @@ class ModelInfo:
     kv_compress_ratio: float = 0.0
     kv_compress_unsupported: str = ""
     attention_layout: str = ""  # attention (K/V in the pool) | state (a recurrent state per sequence: Mamba-2)
+    # the model's files mapped in place (GGUF, the tiles from WEIGHT_CACHE_DIR, safetensors), of which in RAM
+    # now, and the server's RSS
+    mapped_bytes: int = 0
+    mapped_resident_bytes: int = 0
+    resident_bytes: int = 0
     raw: pb.GetModelInfoResponse | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -185,7 +190,7 @@ class ModelInfo:
                    dict(m.tensor_types), dict(m.type_kernels), m.weight_bytes, m.file_bytes, tuple(m.layer_windows),
                    m.attention_logit_softcap, m.final_logit_softcap, m.decode_path, m.decode_path_reason,
                    m.kv_compress, m.kv_compress_window, m.kv_compress_ratio, m.kv_compress_unsupported,
-                   m.attention_layout, m)
+                   m.attention_layout, m.mapped_bytes, m.mapped_resident_bytes, m.resident_bytes, m)
 
 
 @dataclass(frozen=True)

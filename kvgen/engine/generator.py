@@ -23,7 +23,7 @@ from kvgen.cpu import features
 from kvgen.cpu.threads import in_fresh_thread
 from kvgen.cpu.weight_arena import StaleArena
 from kvgen.cpu.weight_blocks import BLOCK_TYPES
-from kvgen.engine import float_weights, mamba2_files, model_files, tile_cache
+from kvgen.engine import float_weights, mamba2_files, model_files, tile_cache, weight_memory
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
@@ -263,6 +263,12 @@ class Generator:
         # the pool's memory back now: finished requests and their sequences hold each other (and through their
         # tables, the pool) until Python's cycle collector runs, which a process may not do for many closes
         self.pool.store.clear()
+
+    def weight_memory(self) -> weight_memory.WeightMemory:
+        """The model files' mappings (the model's, the drafter's, the tiles mapped from WEIGHT_CACHE_DIR), what
+        of them is in RAM, and the process's RSS. Reads /proc: from a thread."""
+        opts = self.options
+        return weight_memory.measure([self.model_path, opts.draft_model, opts.weight_cache_dir])
 
     # requests
 

@@ -19,6 +19,7 @@ turns it off. The disk it takes is about the model file's size, again.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import logging
@@ -36,6 +37,7 @@ log = logging.getLogger("kvgen.engine")
 SUFFIX = ".tiles"
 FINGERPRINT = 1 << 20
 PART_AGE_S = 3600  # a half-written entry older than this was left by a process that ended mid-write
+SAVE_AT_EXIT_S = 120  # how long an exiting process waits for a save under way (1 GB of tiles: ~2 s)
 _saving: set[threading.Thread] = set()
 _keys: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a new arena's file key, taken at its load
 
@@ -122,6 +124,11 @@ def flush(timeout: float | None = None) -> None:
     """Wait for the saves under way."""
     for t in list(_saving):
         t.join(timeout)
+
+
+# a process that ends soon after its start (a server stopped at once, a script) finishes its save first: a daemon
+# thread would be cut off at exit, leaving a .part and the next start converting again
+atexit.register(flush, SAVE_AT_EXIT_S)
 
 
 def _evict(folder: str) -> None:

@@ -189,6 +189,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         compression = dict(kv_compress=opts.kv_compress, kv_compress_window=opts.kv_compress_window,
                            kv_compress_ratio=opts.kv_compress_ratio,
                            kv_compress_unsupported=gen.kv_compress_unsupported)
+        memory = await asyncio.to_thread(gen.weight_memory)
         return pb.GetModelInfoResponse(
             name=cfg.name, architecture=cfg.architecture, context_length=cfg.context_length,
             vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
@@ -198,7 +199,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device),
             prefix_cache=gen.scheduler.kv.prefix is not None, cpu_kernels=kernel_path(gen.model),
             tensor_types=cfg.tensor_types, type_kernels=type_kernels(gen.model), weight_bytes=gen.model.weight_bytes(),
-            file_bytes=cfg.file_bytes, adapters=convert.lora_adapters(gen), **layout, **compression)
+            file_bytes=cfg.file_bytes, mapped_bytes=memory.mapped_bytes,
+            mapped_resident_bytes=memory.mapped_resident_bytes, resident_bytes=memory.resident_bytes,
+            adapters=convert.lora_adapters(gen), **layout, **compression)
 
     async def CreateSession(self, request, context):
         try:

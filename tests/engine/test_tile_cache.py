@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -25,6 +27,7 @@ from tests.engine.test_model_files import all_logits, bpe, gguf_base, token_sequ
 from tests.engine.test_model_files_quants import _write
 from tests.tiny import write_gguf
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
 
 
@@ -91,6 +94,13 @@ def test_a_served_model_from_saved_tiles_decodes_the_same_tokens(mixed_file, tmp
             assert np.may_share_memory(gen.engine.runner.fused.weights[0], arena.buf)  # the step reads it, uncopied
             outs.append([gen.generate(p, GREEDY).token_ids for p in ("hello world", "the quick brown fox")])
             mapped = bool(arena.saved)
+            # GetModelInfo's mapped bytes: the embedding's rows, read from the file in place; with the tiles' entry
+            # (the third start) the tiles too, most pages of them read by the step by now
+            memory, size = gen.weight_memory(), mixed_file.stat().st_size
+            tiles = sum(e.stat().st_size for e in (tmp_path / "tiles").glob("*")) if mapped else 0
+            assert tiles <= memory.mapped_bytes < tiles + size
+            assert arena.buf.nbytes * mapped // 2 < memory.mapped_resident_bytes <= memory.mapped_bytes
+            assert memory.mapped_resident_bytes < memory.resident_bytes
         finally:
             gen.close()
     assert mapped and outs[1] == outs[0] and outs[2] == outs[0] and all(len(t) == 12 for t in outs[0])
@@ -162,3 +172,17 @@ def test_a_save_removes_the_entries_of_files_that_are_gone(gguf_base, mixed_file
     os.unlink(gone)
     _load(mixed_file, folder)
     assert _entries(folder) == [os.path.basename(tile_cache._entry(str(folder), str(mixed_file)))]
+
+
+def test_a_process_that_ends_right_after_its_load_finishes_its_save(mixed_file, tmp_path):
+    """The save runs in a thread beside the server; a process that exits at once (a server stopped soon after
+    its start, a script) waits for it rather than leaving a .part and a conversion for the next start."""
+    folder = tmp_path / "tiles"
+    code = ("import sys, time; from kvgen.engine.generator import load_model; from kvgen.cpu import weight_arena; "
+            "save = weight_arena.WeightArena.save; "  # a save slower than the exit (a 1.7B file's takes ~2 s)
+            "weight_arena.WeightArena.save = lambda *a: (time.sleep(1), save(*a)); "
+            "load_model(sys.argv[1], 'gguf', tile_cache_dir=sys.argv[2])")  # no flush(): exit at once
+    subprocess.run([sys.executable, "-c", code, str(mixed_file), str(folder)], check=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": ROOT})
+    assert len(_entries(folder)) == 1 and not [n for n in os.listdir(folder) if n.endswith(".part")]
+    assert _load(mixed_file, folder).layers[0].o.arena.saved  # and it maps

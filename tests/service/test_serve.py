@@ -66,6 +66,11 @@ def test_make_serve_streams_tokens():
         # blocks at the file's own 5 bits a weight (fp16 scale and min per 32); the tied Q8_0 embedding
         # counted twice, as the embedding's rows and as the head's blocks (~30 MB)
         assert info.file_bytes < info.weight_bytes < 1.35 * info.file_bytes
+        # the tied embedding's rows read from the GGUF in place (and the tiles, from WEIGHT_CACHE_DIR, once
+        # saved): mapped, not copied; what of it is in RAM is within the server's RSS
+        assert 49152 * 576 * 34 // 32 <= info.mapped_bytes  # Q8_0: 34 bytes a 32 weights
+        assert 0 < info.mapped_resident_bytes <= info.mapped_bytes
+        assert info.mapped_resident_bytes < info.resident_bytes
         client.close()
     finally:
         stop_group(proc)
