@@ -91,6 +91,7 @@ class Request:
         self.text += ev.text
         if ev.finish_reason is not None:
             self.finished = True
+            self._cancel = None  # (a closure over the sequence and the Generator: nothing to cancel now)
         if self._overflowed:
             return
         if len(self._events) >= self._max_buffered and ev.finish_reason is None:

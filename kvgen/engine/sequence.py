@@ -232,6 +232,14 @@ class Sequence:
         ev, self._final = self._final, None
         if ev is not None:
             self.emit(ev)
+            # nothing follows the end: let go of the request's callbacks, which hold the request, whose seq is
+            # this (a cycle that kept every finished request, its sequence and their buffers until the cycle
+            # collector ran)
+            self.emit = self.on_release = _ended
+
+
+def _ended(*_) -> None:
+    """A finished sequence's callbacks."""
 
 
 def _stop_prefix_len(text: str, stops: list[str], max_stop: int) -> int:

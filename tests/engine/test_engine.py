@@ -8,6 +8,10 @@ that asks for more (logprobs, sampling) sends the whole batch through sample() a
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import weakref
+
 import pytest
 
 from kvgen.engine.generator import EngineOptions, Generator
@@ -76,3 +80,31 @@ def test_threads_caps_the_kernels_threads_on_the_engine_thread(tiny):
     finally:
         gen.close()
     assert seen and set(seen) == {1}
+
+
+def test_a_finished_request_is_freed_when_its_caller_lets_go_not_by_the_cycle_collector(tiny):
+    """A request and its sequence held each other (the sequence's callbacks are the request's, the request's
+    cancel a closure over the sequence), so every finished one, with its sequence's table and events, lived until
+    Python's cycle collector ran. Finished, read to the end, cancelled or not: gone with the caller's reference."""
+    gen = Generator(*tiny, EngineOptions(kv_dtype="fp32"))
+
+    async def one(how: str):
+        req = await gen.request("the cat sat on", SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+        if how == "cancelled":
+            await req.__anext__()
+            req.cancel()
+        async for _ in req:
+            pass
+        await req.released()
+        return weakref.ref(req), weakref.ref(req.seq)
+
+    gc.collect()
+    gc.disable()
+    try:
+        for how in ("read", "cancelled"):
+            refs = gen.bridge.run(one(how))
+            gen.bridge.run(asyncio.sleep(0.05))  # (the loop's own reference to the last callback goes)
+            assert [r() for r in refs] == [None, None], how
+    finally:
+        gc.enable()
+        gen.close()
