@@ -73,11 +73,12 @@ multiply-adds a Zen 4 core issues a cycle: more would take 8-bit activations (vp
 cycle), that is llama.cpp's precision, not this one's. Where the CPU has AMX-INT8, a call of 12
 rows or more (a prompt chunk, a large batch) multiplies on tiles instead (amx_matmul.py): the
 same integers, split in bytes, and the same float epilogue, so the same bits, 1.5-1.9x faster on
-a Sapphire Rapids. On AVX2 (8 rows a vector: a tile is two vectors of sums) the kinds with one scale a
-block compute both vectors in one pass over the blocks, each activation pair broadcast once for both, where a
-pass a vector broadcast it twice (a broadcast a multiply-add: a third of the loop's instructions): on a 2-core
-Zen 3 at 512 rows, a 16384 x 2048 matmul went from 71 to 91 GMAC/s (Q4_0) and from 74 to 86 (Q4_K), the
-same bits. Numba caches the compiled kernels per CPU, so a cache made on one CPU is not used on
+a Sapphire Rapids. On AVX2 (8 rows a vector: a tile is two vectors of sums) the kernels compute both
+vectors in one pass over the blocks, each activation pair broadcast once for both, where a pass a vector
+broadcast it twice (a broadcast a multiply-add: a third of the loop's instructions); the nibble kinds with a
+scale per 16 inputs (q6h, q3h, q2hm) a half at a time, so that the sums fit AVX2's 16 registers. On a 2-core
+Zen 3 at 512 rows, a 16384 x 2048 matmul went from 71 to 91 GMAC/s (Q4_0), 74 to 87 (Q4_K) and 58 to 69
+(Q6_K), the same bits. Numba caches the compiled kernels per CPU, so a cache made on one CPU is not used on
 another.
 
 The kernels release the GIL (nogil): the engine thread runs them while the server's event loop
@@ -298,8 +299,11 @@ def _tile_linear(kind: str, layout: int, rows: int):
     # pass over the blocks: each activation pair broadcast once for both (a broadcast a multiply-add took a
     # third of the loop's instructions). The halves' kinds keep a pass a vector: their two sums a row and
     # vector would not fit AVX2's registers. The same integers and float operations either way.
-    merged = halves == 1 and not VNNI
+    # The nibble kinds with a scale per 16 inputs (q6h, q3h, q2hm: the low nibbles are half 0, the high ones
+    # half 1) merge too, a half at a time: the low nibbles' products over the block, then the high ones'.
+    merged = not VNNI and (halves == 1 or nibbles)
     passes = [list(range(TILE // LANES))] if merged else [[cg] for cg in range(TILE // LANES)]
+    phases = (0, 1) if merged and halves == 2 else (None,)  # the half a sweep over the pairs adds (None: both)
     names = ("codes", "base", "groups", "xq", "xbase", "k", "dx", "xs", "sbase", "scales", "at", "y", "ybase",
              "ystride")
 
@@ -323,9 +327,12 @@ def _tile_linear(kind: str, layout: int, rows: int):
                     # the add is an instruction of its own, and a merged pass keeps one sum a row and vector
                     # (AVX2's 16 registers: 4 rows x 2 vectors of sums, the codes, a broadcast)
                     chains = {cg: [[ir.Constant(INTS, None)] * 4 for _ in range(rows)] for cg in cgs}
-                    slot = (lambda c: 0) if len(cgs) > 1 else (lambda c: c)  # noqa: E731
+                    if len(cgs) == 1:
+                        slot = lambda c: c  # noqa: E731
+                    else:  # merged: one sum a row, vector and half
+                        slot = (lambda c: 0) if halves == 1 else (lambda c: c & 2)  # noqa: E731
                     scaled = 0  # the packed kinds' dots: 2^scaled times the codes' (_packed_codes)
-                    for p in range(8 if nibbles else pairs):
+                    for phase, p in ((phase, p) for phase in phases for p in range(8 if nibbles else pairs)):
                         codes = {}  # cg -> (lo, hi) nibbles' or (w,) bytes' words: every vector's, then the rows
                         for cg in cgs:
                             def load(p, q=q, cg=cg):  # pair p's 2 LANES bytes: two a row, for LANES rows
@@ -352,11 +359,14 @@ def _tile_linear(kind: str, layout: int, rows: int):
                             if nibbles:
                                 # inputs 2p, 2p+1 in the low nibbles, 2p+16, 2p+17 high: q3h's, q2hm's halves 0, 1
                                 c0, c1 = slot(p % 2), slot(2 + p % 2)
-                                x_lo, x_hi = _pair(builder, xs[i], p), _pair(builder, xs[i], 8 + p)
-                                for cg in cgs:
-                                    sums, (lo, hi) = chains[cg][i], codes[cg]
-                                    sums[c0] = _madd_add(builder, sums[c0], lo, x_lo)
-                                    sums[c1] = _madd_add(builder, sums[c1], hi, x_hi)
+                                if phase != 1:
+                                    x_lo = _pair(builder, xs[i], p)
+                                    for cg in cgs:
+                                        chains[cg][i][c0] = _madd_add(builder, chains[cg][i][c0], codes[cg][0], x_lo)
+                                if phase != 0:
+                                    x_hi = _pair(builder, xs[i], 8 + p)
+                                    for cg in cgs:
+                                        chains[cg][i][c1] = _madd_add(builder, chains[cg][i][c1], codes[cg][1], x_hi)
                             else:
                                 # two halves: chains 0, 1 sum inputs 0-15 (p < 8), chains 2, 3 inputs 16-31
                                 c = slot(p % 4 if halves == 1 else p % 2 + 2 * (p // 8))
