@@ -13,7 +13,7 @@ METRICS_PORT ?= 9464
 MODEL ?=
 export PORT METRICS_PORT MODEL
 
-.PHONY: serve test test-fast test-deps kernels converter go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-lora bench-startup bench-activations lora-adapter eagle-head clean
+.PHONY: serve test test-fast test-deps kernels converter go-client node-client test-slow test-gpu test-go test-lmeval lmeval-env protos lint bench bench-kv bench-gpu bench-soak bench-ab bench-structured bench-speculative bench-serving bench-models bench-peak bench-lora bench-startup bench-activations lora-adapter eagle-head clean
 .PHONY: descriptors k8s k8s-envoy mesh bench-mesh
 
 # kvgen's bytecode written first (only what changed since): where PYTHONDONTWRITEBYTECODE is set, every start
@@ -185,6 +185,12 @@ bench-startup: $(STAMP) $(STUBS)
 bench-activations: $(STAMP) $(STUBS)
 	bash bench/setup_llama_server.sh
 	$(PY) bench/activations.py
+
+# the CPU's int16 and int8 multiply-add ceilings and the prefill each allows, beside llama-bench pp512:
+# bench/results/mac_peak.md
+bench-peak: $(STAMP) $(STUBS)
+	SHAPED=1.7b FAMILIES= bash bench/setup_models.sh
+	$(PY) bench/mac_peak.py --llama-bench --kvgen
 
 bench-models: $(STAMP) $(STUBS)
 	MODELS=$(MODELS) bash bench/setup_models.sh
