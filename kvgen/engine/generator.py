@@ -267,8 +267,8 @@ class Generator:
     def weight_memory(self) -> weight_memory.WeightMemory:
         """The model files' mappings (the model's, the drafter's, the tiles mapped from WEIGHT_CACHE_DIR), what
         of them is in RAM, and the process's RSS. Reads /proc: from a thread."""
-        opts = self.options
-        return weight_memory.measure([self.model_path, opts.draft_model, opts.weight_cache_dir])
+        files, folder = [f for f in (self.model_path, self.options.draft_model) if f], self.options.weight_cache_dir
+        return weight_memory.measure(files + [tile_cache.entry_path(folder, f) for f in files if folder])
 
     # requests
 

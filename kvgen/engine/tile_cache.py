@@ -65,7 +65,8 @@ def _key(model: str) -> dict:
             "bytes": h.hexdigest()[:16], "code": _code_hash()}
 
 
-def _entry(folder: str, model: str) -> str:
+def entry_path(folder: str, model: str) -> str:
+    """The path of model's entry in folder (whether or not one is there)."""
     name = hashlib.sha256(os.path.realpath(model).encode()).hexdigest()[:24]
     return os.path.join(os.path.expanduser(folder), name + SUFFIX)
 
@@ -75,7 +76,7 @@ def arena(model: str, nbytes: int, folder: str) -> WeightArena:
     (`replaying` False), which save() then keeps under the key the file had now, at its load."""
     if not folder:
         return WeightArena(nbytes)
-    key, entry = _key(model), _entry(folder, model)
+    key, entry = _key(model), entry_path(folder, model)
     if mapped := WeightArena.mapped(entry, nbytes, key):
         log.info("%s: its tiles mapped from %s", os.path.basename(model), entry)
         return mapped
@@ -88,7 +89,7 @@ def forget(model: str, folder: str) -> None:
     """Remove model's entry (it did not replay: StaleArena)."""
     if folder:
         try:
-            os.unlink(_entry(folder, model))
+            os.unlink(entry_path(folder, model))
         except OSError:
             pass
 
@@ -101,7 +102,7 @@ def save(arena: WeightArena, model: str, folder: str) -> None:
     key = _keys.pop(arena, None)  # (none: a mapped arena, or the folder was off at load)
     if not folder or key is None or not arena.carves:
         return
-    entry, carves = _entry(folder, model), len(arena.carves)  # the carves written by now
+    entry, carves = entry_path(folder, model), len(arena.carves)  # the carves written by now
 
     def write():
         try:

@@ -1,6 +1,6 @@
 """How much memory the weights take, as the kernel sees it: which of this process's mappings are the model's
-files (a GGUF read in place, the tiles mapped back from WEIGHT_CACHE_DIR, an HF folder's safetensors), how
-many of those bytes are in RAM now, and the process's resident total.
+files (the parts of a GGUF read in place, the tiles mapped back from WEIGHT_CACHE_DIR), how many of those bytes
+are in RAM now, and the process's resident total.
 
 Mapped pages are the page cache's: the kernel may drop clean ones under pressure and read them again, and
 another process serving the same file shares them. weight_bytes (Model.weight_bytes) counts what the

@@ -130,7 +130,7 @@ def test_an_entry_that_does_not_replay_is_dropped_and_the_file_loaded_without_it
     the cache-off load's logits; the entry is gone."""
     folder = tmp_path / "tiles"
     size = _load(mixed_file, folder).layers[0].o.arena.buf.size
-    entry = tile_cache._entry(str(folder), str(mixed_file))
+    entry = tile_cache.entry_path(str(folder), str(mixed_file))
     arena = WeightArena.mapped(entry, size, WeightArena.meta_of(entry))
     for shape, dtype in arena.saved:
         arena.empty(shape, dtype)
@@ -171,7 +171,7 @@ def test_a_save_removes_the_entries_of_files_that_are_gone(gguf_base, mixed_file
     assert len(_entries(folder)) == 1
     os.unlink(gone)
     _load(mixed_file, folder)
-    assert _entries(folder) == [os.path.basename(tile_cache._entry(str(folder), str(mixed_file)))]
+    assert _entries(folder) == [os.path.basename(tile_cache.entry_path(str(folder), str(mixed_file)))]
 
 
 def test_a_process_that_ends_right_after_its_load_finishes_its_save(mixed_file, tmp_path):
