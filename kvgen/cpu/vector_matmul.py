@@ -295,12 +295,12 @@ def _tile_linear(kind: str, layout: int, rows: int):
     of them; y, row 0's first output, the distance between output rows."""
     pairs, halves, has_min = KINDS[kind]
     nibbles = kind in NIBBLE_KINDS or kind in PACKED  # 8 pairs of nibble bytes first
-    # Where a tile is two vectors of sums (AVX2: LANES 8), a kind with one scale a block computes both in one
-    # pass over the blocks: each activation pair broadcast once for both (a broadcast a multiply-add took a
-    # third of the loop's instructions). The halves' kinds keep a pass a vector: their two sums a row and
-    # vector would not fit AVX2's registers. The same integers and float operations either way.
-    # The nibble kinds with a scale per 16 inputs (q6h, q3h, q2hm: the low nibbles are half 0, the high ones
-    # half 1) merge too, a half at a time: the low nibbles' products over the block, then the high ones'.
+    # Where a tile is two vectors of sums (AVX2: LANES 8), one pass over the blocks computes both: each
+    # activation pair broadcast once for both (a broadcast a multiply-add took a third of the loop's
+    # instructions). The nibble kinds with a scale per 16 inputs (q6h, q3h, q2hm: the low nibbles are half 0,
+    # the high ones half 1) do it a half at a time, the low nibbles' products over the block, then the high
+    # ones', so that a row and vector keeps one sum (AVX2's 16 registers); q8h, q8hm (the tests' references)
+    # keep a pass a vector. The same integers and float operations either way.
     merged = not VNNI and (halves == 1 or nibbles)
     passes = [list(range(TILE // LANES))] if merged else [[cg] for cg in range(TILE // LANES)]
     phases = (0, 1) if merged and halves == 2 else (None,)  # the half a sweep over the pairs adds (None: both)
