@@ -39,11 +39,11 @@ from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
+from bench import models  # noqa: E402  (its files, llama-bench and kvgen rounds)
 from bench.peers import cpu_name  # noqa: E402
 from kvgen.cpu import features  # noqa: E402
 
 CHAINS = 12
-LLAMA_BENCH = ROOT / "bench/.cache/llama-tools/bin/llama-bench"  # bench/setup_models.sh builds it
 SECONDS = 2.0
 # The multiply-add sequence each kind of kernel is built on, as the kernels issue it: name -> (LLVM
 # intrinsics in order, vector bits, multiply-adds a sequence, activations, who runs it). Without VNNI the sum
@@ -149,9 +149,10 @@ def weight_elements(path: str) -> int:
 
 
 def llama_pp512(path: str, threads: int) -> float | None:
-    if not os.path.exists(LLAMA_BENCH):
+    llama_bench = models.TOOLS / "llama-bench"  # bench/setup_models.sh builds it
+    if not llama_bench.exists():
         return None
-    cmd = [str(LLAMA_BENCH), "-m", path, "-t", str(threads), "-p", "512", "-n", "0", "-r", "2", "-o", "json"]
+    cmd = [str(llama_bench), "-m", path, "-t", str(threads), "-p", "512", "-n", "0", "-r", "2", "-o", "json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
@@ -159,12 +160,7 @@ def llama_pp512(path: str, threads: int) -> float | None:
 def kvgen_prefill(path: str) -> float:
     """kvgen's prefill of a 512-token prompt on path, tok/s: bench/models.py's round (a process of its own,
     `make serve`'s defaults), best of two."""
-    best = 0.0
-    for _ in range(2):
-        out = subprocess.run([sys.executable, str(ROOT / "bench/models.py"), "--kvgen", path], capture_output=True,
-                             text=True, timeout=1800, check=True).stdout
-        best = max(best, json.loads(out.strip().splitlines()[-1])["prefill_tps"])
-    return best
+    return max(models.run_kvgen(path)["prefill_tps"] for _ in range(2))
 
 
 def main() -> None:
@@ -176,11 +172,9 @@ def main() -> None:
     ap.add_argument("--kvgen", action="store_true", help="kvgen's prefill of 512 tokens on each file, same run")
     ap.add_argument("--out", default=str(ROOT / "bench/results/mac_peak.md"))
     args = ap.parse_args()
-    if args.model is None:
-        from kvgen.engine.model_files import embedded_model_path
-        files = (ROOT / "bench/.cache/models").glob("*.gguf")  # setup_models.sh's, but the F16 source
-        args.model = [embedded_model_path(), *sorted(str(f) for f in files if "F16" not in f.name and "8b" not in f.name
-                                                     and not f.name.startswith("family-"))]
+    if args.model is None:  # bench-models' main table but the 8B file, whose kvgen round alone takes minutes
+        args.model = [path for name, path in models.files()
+                      if name not in models.FAMILIES and not name.startswith("8B")]
     threads = numba.config.NUMBA_NUM_THREADS
     started = time.time()
     load = os.getloadavg()[0]
