@@ -84,13 +84,13 @@ class WeightArena:
         keeps it). The file's size is the arena's: the room past the carves is a hole that takes no disk."""
         used = self._ends[carves - 1] if carves else 0
         head = json.dumps({"meta": meta, "size": self.buf.size, "carves": self.carves[:carves]}).encode()
-        part = f"{path}.{os.getpid()}.part"
+        start, part = _data_start(len(head)), f"{path}.{os.getpid()}.part"
         try:
             with open(part, "wb") as f:
                 f.write(MAGIC + len(head).to_bytes(8, "little") + head)
-                f.seek(_data_start(len(head)))
+                f.seek(start)
                 f.write(memoryview(self.buf[:used]))
-                f.truncate(_data_start(len(head)) + self.buf.size)
+                f.truncate(start + self.buf.size)
             os.replace(part, path)
         except BaseException:
             if os.path.exists(part):
