@@ -64,7 +64,8 @@ TYPES = ("Q4_1", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "Q3_K_M", "Q2_K", "IQ4_XS",
 # The large files (bench/make_shaped_model.py's random weights in a real model's shape), where
 # present: decode reads the whole file a token, so they measure bandwidth, not arithmetic
 SHAPED = (("1.7B Q4_0", "shaped-1.7b.Q4_0.gguf"), ("1.7B Q4_K_M", "shaped-1.7b.Q4_K_M.gguf"),
-          ("1.7B Q3_K_M", "shaped-1.7b.Q3_K_M.gguf"), ("1.7B IQ4_XS", "shaped-1.7b.IQ4_XS.gguf"),
+          ("1.7B Q3_K_M", "shaped-1.7b.Q3_K_M.gguf"), ("1.7B Q2_K", "shaped-1.7b.Q2_K.gguf"),
+          ("1.7B IQ4_XS", "shaped-1.7b.IQ4_XS.gguf"),
           ("8B Q4_K_M", "shaped-8b.Q4_K_M.gguf"))
 # One file per family (bench/make_shaped_model.py FAMILY_SHAPES), where present
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mamba2")

@@ -140,7 +140,8 @@ done
 # 4. the large files (SHAPED="1.7b 8b" by default; SHAPED= skips them): random weights in a real
 #    model's shape (bench/make_shaped_model.py, one layer at a time), converted to BF16 by the same
 #    converter, quantized by llama-quantize; the HF folder and the BF16 file are removed after.
-#    1.7B: Q4_0 and Q4_K_M (~1 GB each); 8B: Q4_K_M (~4.3 GB), the file that shows whether kvgen
+#    1.7B: Q4_0 and Q4_K_M (~1 GB each), the low-bit Q3_K_M, Q2_K and IQ4_XS (0.7-0.9 GB); 8B: Q4_K_M
+#    (~4.3 GB), the file that shows whether kvgen
 #    loads and serves an 8B model on a 24 GB machine. About 10 minutes on 2 cores the first time.
 # shaped_files SHAPE STEM TYPE...: make_shaped_model.py's SHAPE as an HF folder, converted to BF16, then
 # quantized to each TYPE as $models/STEM.TYPE.gguf (log: quantize-STEM-TYPE.log); the folder and the
@@ -167,7 +168,7 @@ convert_args=()  # extra convert_hf_to_gguf.py arguments for shaped_files (step 
 shaped=(${SHAPED-1.7b 8b})
 [[ "$only" == families ]] && shaped=()
 for shape in "${shaped[@]}"; do
-    case "$shape" in 1.7b) qtypes=(Q4_0 Q4_K_M Q3_K_M IQ4_XS) ;; 8b) qtypes=(Q4_K_M) ;;
+    case "$shape" in 1.7b) qtypes=(Q4_0 Q4_K_M Q3_K_M Q2_K IQ4_XS) ;; 8b) qtypes=(Q4_K_M) ;;
         *) echo "unknown shape $shape" >&2; exit 1 ;; esac
     need=0
     for ty in "${qtypes[@]}"; do [[ "$force" == 1 || ! -s "$models/shaped-$shape.$ty.gguf" ]] && need=1; done

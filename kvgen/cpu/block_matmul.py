@@ -60,14 +60,14 @@ def q4i_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def q3h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
-    """y = x W^T for 3-bit codes in nibbles with a scale per 16 inputs (Q3_K)."""
+    """y = x W^T for packed 3-bit codes with a scale per 16 inputs (Q3_K)."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q3h_matmul(xq, dx, qs, scales, y)
 
 
 @njit(cache=True, nogil=True)
 def q2hm_linear(x, qs, scales, y, room, sums):  # pragma: no cover - compiled
-    """y = x W^T for 2-bit codes in nibbles with a scale and a minimum per 16 inputs (Q2_K); sums as
+    """y = x W^T for packed 2-bit codes with a scale and a minimum per 16 inputs (Q2_K); sums as
     q8hm_linear's."""
     xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q2hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, scales, y)

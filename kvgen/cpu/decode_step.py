@@ -148,26 +148,26 @@ def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
     supers, per = vector_matmul.scale_shape(layout, halves, groups)
     sc = scales[sat:sat + tiles * supers * per].reshape((tiles, supers, per))
     n = tiles * groups * vector_matmul.TILE  # (block, output row) pairs
-    if kind == Q4 or kind == Q4I or kind == Q3H or kind == Q2HM:  # nibbles, in the uint8 buffer
+    if kind == Q4 or kind == Q4I:  # nibbles, in the uint8 buffer
         qs = codes4[at:at + n * 16].reshape((tiles, groups, 8, vector_matmul.TILE, 2))
         if kind == Q4:
             block_matmul.q4_linear(x, qs, sc, layout, y, room)
-        elif kind == Q4I:
-            block_matmul.q4i_linear(x, qs, sc, layout, y, room)
-        elif kind == Q3H:
-            block_matmul.q3h_linear(x, qs, sc, y, room)
         else:
-            block_matmul.q2hm_linear(x, qs, sc, y, room, sums)
+            block_matmul.q4i_linear(x, qs, sc, layout, y, room)
         return
-    if kind == Q5 or kind == Q5M or kind == Q6H:  # packed: nibbles and high bits, in the uint8 buffer
-        pairs = 12 if kind == Q6H else 10
+    if kind == Q5 or kind == Q5M or kind == Q6H or kind == Q3H or kind == Q2HM:  # packed, in the uint8 buffer
+        pairs = 12 if kind == Q6H else 6 if kind == Q3H else 4 if kind == Q2HM else 10
         qs = codes4[at:at + n * 2 * pairs].reshape((tiles, groups, pairs, vector_matmul.TILE, 2))
         if kind == Q5:
             block_matmul.q5_linear(x, qs, sc, y, room)
         elif kind == Q5M:
             block_matmul.q5m_linear(x, qs, sc, layout, y, room)
-        else:
+        elif kind == Q6H:
             block_matmul.q6h_linear(x, qs, sc, y, room)
+        elif kind == Q3H:
+            block_matmul.q3h_linear(x, qs, sc, y, room)
+        else:
+            block_matmul.q2hm_linear(x, qs, sc, y, room, sums)
         return
     qs = codes8[at:at + n * 32].reshape((tiles, groups, 16, vector_matmul.TILE, 2))
     if kind == Q8:

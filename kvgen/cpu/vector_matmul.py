@@ -27,14 +27,14 @@ broadcast:
     q8: qs [N/TILE, G, 16, TILE, 2] int8: byte (p, c, e) holds input 2p+e; value = d * q
     q8h: q8's codes, a scale per 16 inputs: value = d[h] * q for input 16h + i (no file type: Q3_K's reference)
     q8hm: q8h with a minimum per 16 inputs too: value = d[h] * q + m[h] (no file type: Q2_K's reference)
-    q3h: q4's nibbles holding a 3-bit two's complement code q, a scale per 16 as q8h's: value = d[h] * q (Q3_K);
-        the low nibbles are inputs 0-15, half 0, the high ones 16-31, half 1
-    q2hm: q4's nibbles holding a 2-bit code, a scale and a minimum per 16 as q8hm's (Q2_K)
-    q5, q5m, q6h: packed codes u - offset, qs [N/TILE, G, 8 + 2 b, TILE, 2] uint8: pairs 0-7 q4's
-        nibbles of u, pairs 8 on a plane of the high b bits (b = 1, 2) of u ^ offset (offset 0 or
-        u's top bit): byte j < 4 b of a row holds inputs j + 4 b i at bit b i; and
+    q5, q5m, q6h, q3h, q2hm: packed codes u - offset, qs [N/TILE, G, 2 L + 2 b, TILE, 2] uint8: a
+        plane of u's low L bits (L = 4: pairs 0-7 are q4's nibbles; L = 2), then a plane of the high
+        b bits (b = 0, 1, 2) of u ^ offset (offset 0 or u's top bit); in a plane of B bits, byte j
+        < 4 B of a row holds inputs j + 4 B i at bit B i; and
         q5: value = d * (u - 16) (Q5_0); q5m: value = d * u + m (Q5_1, Q5_K);
-        q6h: value = d[h] * (u - 32), a scale per 16 inputs as q8h's (Q6_K)
+        q6h: value = d[h] * (u - 32), a scale per 16 inputs as q8h's (Q6_K);
+        q3h: L = 2, b = 1, value = d[h] * (u - 4) (Q3_K); q2hm: L = 2, value = d[h] * u + m[h] (Q2_K);
+        a half h is inputs 16h .. 16h + 15
     xq [M, K] int16;  dx, xs [M, G] float32 (xs [M, 2G] for q8hm: per 16 inputs);  y [M, N] float32
 
 The scales d, m are held as the file holds them, one flat byte array a weight, scales
@@ -161,16 +161,18 @@ def _pair(builder, x, index):
 
 
 # kind: (code pairs a block (a pair of bytes a row: q4 nibbles hold 4 inputs, q8 bytes 2; the packed
-# kinds' 8 pairs of nibbles, then their high planes' pairs), scales a block (1, or 2: one per 16
-# inputs), a minimum term m xs)
-KINDS = {"q4": (8, 1, True), "q4i": (8, 1, False), "q3h": (8, 2, False), "q2hm": (8, 2, True),
+# kinds' low plane's pairs, then their high plane's), scales a block (1, or 2: one per 16 inputs), a
+# minimum term m xs)
+KINDS = {"q4": (8, 1, True), "q4i": (8, 1, False), "q3h": (6, 2, False), "q2hm": (4, 2, True),
          "q8": (16, 1, False), "q8h": (16, 2, False), "q8hm": (16, 2, True),
          "q5": (10, 1, False), "q5m": (10, 1, True), "q6h": (12, 2, False)}
-# The packed kinds: a code u - offset held as u's low 4 bits in q4's nibbles and the high bits of
-# u ^ offset in a plane of their own (PACKED's bits an input; _packed_codes): the file's 5- and 6-bit
-# codes at the file's bits, where int8 codes took 8 (a Q4_K_M's Q6_K matrices were most of its RSS
-# over the file's size). kind: (high bits an input, offset)
-PACKED = {"q5": (1, 16), "q5m": (1, 0), "q6h": (2, 32)}
+# The packed kinds: a code u - offset held in planes of bits (_packed_codes), u's low bits (4: q4's
+# nibbles; 2 where LOW_BITS says) then the high bits of u ^ offset: the file's 2-, 3-, 5- and 6-bit codes at
+# the file's bits, where int8 codes took 8 (a Q4_K_M's Q6_K matrices were most of its RSS over the file's
+# size) and a nibble took 4 (a 1.7B Q3_K_M's Q3_K ones 1 bit a weight over the file's, 118 MiB).
+# kind: (high bits an input, offset)
+PACKED = {"q5": (1, 16), "q5m": (1, 0), "q6h": (2, 32), "q3h": (1, 4), "q2hm": (0, 0)}
+LOW_BITS = {"q3h": 2, "q2hm": 2}  # a packed kind's low plane's bits an input, where not 4
 
 # How a weight's scales are held (the module docstring's layout): an fp16 d per block (F16), and an
 # fp16 m (F16_MIN); or an fp16 d per super-block of SUPER blocks times an int8 per block or half
@@ -180,8 +182,9 @@ SUPER = 8  # blocks of 32 in a K-quant's (and IQ4_XS's) super-block of 256 input
 # The layouts each kind has kernels for (weight_blocks.BLOCK_TYPES' types)
 LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q4i": (F16, SUB), "q3h": (SUB,), "q2hm": (SUB_MIN,), "q8": (F16, SUB),
            "q8h": (SUB,), "q8hm": (SUB_MIN,), "q5": (F16,), "q5m": (F16_MIN, SUB_MIN), "q6h": (SUB,)}
-# The kinds whose codes are one nibble an input, 8 pairs of nibble bytes a block (the packed kinds' first 8)
-NIBBLE_KINDS = ("q4", "q4i", "q3h", "q2hm")
+# The kinds whose codes are one nibble an input, 8 pairs of nibble bytes a block (as the first 8 pairs of
+# the packed kinds with a low plane of 4 bits)
+NIBBLE_KINDS = ("q4", "q4i")
 
 
 def _scale_shape(layout, halves, groups):
@@ -231,19 +234,22 @@ def block_scales(builder, kind: str, layout: int, scales, at, g, lane: int) -> l
 
 
 def _packed_codes(builder, kind: str, load, p: int) -> tuple:
-    """A packed kind's codes of nibble pair p as int16 words, (inputs 2p, 2p+1; inputs 2p+16, 2p+17),
+    """A packed kind's codes of pair p as int16 words, (inputs 2p, 2p+1; inputs 2p+16, 2p+17),
     and the power of two 2^s they are scaled by: put together as bytes (half a vector's work where
-    int16 words take a whole one), then widened. A code u - offset of 4 + b bits (offset 2^(3+b), its
-    top bit) is the byte (u ^ offset) << s read as int8, s = 4 - b: the low nibble moved up s bits,
-    the high bits (held xor the offset's bit: _pack) above it, so no subtraction; q5m (no offset)
-    the byte u as is, s = 0. The dots come out 2^s times the int8 codes' (exact: no int32 sum
-    overflows), shifted back at the block's end: the same integers. A row's plane is 4 b bytes,
-    byte j holding input j + 4 b i's high bits at bit b i, in pairs of bytes as the nibbles are:
-    nibble pair p's inputs are in plane pair p mod (2 b), in the same lanes."""
-    bits, offset = PACKED[kind]
-    shift = 4 - bits if offset else 0
-    span = 4 * bits  # inputs a plane byte's fields are apart
-    n, h = load(p), load(8 + p % (span // 2))
+    int16 words take a whole one), then widened. A code u - offset of L + b bits (L the low plane's,
+    b the high one's; offset 2^(L+b-1), its top bit) is the byte (u ^ offset) << s read as int8,
+    s = 8 - L - b: each plane's field moved to its place in the byte (the high bits held xor the
+    offset's bit: weight_blocks._pack), so no subtraction; a kind with no offset (q5m, q2hm) the byte
+    u as is, s = 0. The dots come out 2^s times the int8 codes' (exact: no int32 sum overflows),
+    shifted back at the block's end: the same integers. A plane of B bits an input is 4 B bytes a
+    row, byte j holding input j + 4 B i at bit B i (B = 4: q4's nibble bytes), in pairs of bytes as
+    the nibbles are: input 2p + e is field p // (2 B) of plane pair p mod 2 B, input 2p + 16 + e the
+    field 4 // B further, in the same lanes."""
+    high, offset = PACKED[kind]
+    low = LOW_BITS.get(kind, 4)
+    shift = 8 - low - high if offset else 0
+    planes = [(0, low, 0)] + ([(2 * low, high, low)] if high else [])  # (first pair, bits, the code's bit)
+    loaded = {}
 
     def moved(v, by, mask):  # (v << by) & mask, a right shift for by < 0
         v = builder.shl(v, vector(I8, [by] * 2 * LANES)) if by > 0 else \
@@ -251,10 +257,15 @@ def _packed_codes(builder, kind: str, load, p: int) -> tuple:
         return builder.and_(v, vector(I8, [mask] * 2 * LANES))
 
     out = []
-    for nibble_at, field in ((0, p // (span // 2)), (4, p // (span // 2) + 16 // span)):
-        low = moved(n, shift - nibble_at, 15 << shift)
-        high = moved(h, 4 + shift - bits * field, ((1 << bits) - 1) << (4 + shift))
-        byte = builder.or_(low, high)
+    for half in (0, 1):  # inputs 2p, 2p+1; inputs 2p+16, 2p+17
+        byte = None
+        for first, bits, at in planes:
+            pair = first + p % (2 * bits)
+            if pair not in loaded:
+                loaded[pair] = load(pair)
+            field = p // (2 * bits) + half * (4 // bits)
+            part = moved(loaded[pair], shift + at - bits * field, ((1 << bits) - 1) << (shift + at))
+            byte = part if byte is None else builder.or_(byte, part)
         out.append(builder.sext(byte, WORDS) if offset else builder.zext(byte, WORDS))
     return (*out, shift)
 
@@ -294,12 +305,12 @@ def _tile_linear(kind: str, layout: int, rows: int):
     distance between activation rows; dx, xs, row 0's first block; scales, the tile's first byte
     of them; y, row 0's first output, the distance between output rows."""
     pairs, halves, has_min = KINDS[kind]
-    nibbles = kind in NIBBLE_KINDS or kind in PACKED  # 8 pairs of nibble bytes first
+    nibbles = kind in NIBBLE_KINDS or kind in PACKED  # 8 pairs p, each inputs 2p, 2p+1 and 2p+16, 2p+17
     # Where a tile is two vectors of sums (AVX2: LANES 8), one pass over the blocks computes both: each
     # activation pair broadcast once for both (a broadcast a multiply-add took a third of the loop's
-    # instructions). The nibble kinds with a scale per 16 inputs (q6h, q3h, q2hm: the low nibbles are half 0,
-    # the high ones half 1) do it a half at a time, the low nibbles' products over the block, then the high
-    # ones', so that a row and vector keeps one sum (AVX2's 16 registers); q8h, q8hm (the tests' references)
+    # instructions). The kinds of nibbles or planes with a scale per 16 inputs (q6h, q3h, q2hm: inputs 2p, 2p+1
+    # are half 0, 2p+16, 2p+17 half 1) do it a half at a time, the low inputs' products over the block, then the
+    # high ones', so that a row and vector keeps one sum (AVX2's 16 registers); q8h, q8hm (the tests' references)
     # keep a pass a vector. The same integers and float operations either way.
     merged = not VNNI and (halves == 1 or nibbles)
     passes = [list(range(TILE // LANES))] if merged else [[cg] for cg in range(TILE // LANES)]
@@ -343,13 +354,7 @@ def _tile_linear(kind: str, layout: int, rows: int):
                                 lo, hi, scaled = _packed_codes(builder, kind, load, p)
                             elif kind == "q4i":
                                 lo, hi = _table_codes(builder, load(p))
-                            elif kind == "q3h":  # a code's 3 bits moved to the top of a byte: 32 q as int8
-                                n = load(p)
-                                lo = builder.sext(builder.shl(n, vector(I8, [5] * 2 * LANES)), WORDS)
-                                hi = builder.sext(builder.shl(builder.and_(n, vector(I8, [0x70] * 2 * LANES)),
-                                                              vector(I8, [1] * 2 * LANES)), WORDS)
-                                scaled = 5
-                            elif kind == "q4" or kind == "q2hm":
+                            elif kind == "q4":
                                 w = builder.zext(load(p), WORDS)
                                 lo = builder.and_(w, vector(I16, [15] * 2 * LANES))
                                 hi = builder.lshr(w, vector(I16, [4] * 2 * LANES))
@@ -357,7 +362,7 @@ def _tile_linear(kind: str, layout: int, rows: int):
                         # a row at a time, its activation pairs broadcast once for every vector of sums
                         for i in range(rows):
                             if nibbles:
-                                # inputs 2p, 2p+1 in the low nibbles, 2p+16, 2p+17 high: q3h's, q2hm's halves 0, 1
+                                # inputs 2p, 2p+1 (low nibbles), 2p+16, 2p+17 (high): q6h's, q3h's, q2hm's halves 0, 1
                                 c0, c1 = slot(p % 2), slot(2 + p % 2)
                                 if phase != 1:
                                     x_lo = _pair(builder, xs[i], p)
@@ -677,10 +682,11 @@ def q8hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def q3h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
-    """Q3_K: 3-bit codes in nibbles, a scale per 16 inputs (layout SUB, an int8 a half): q8h's outputs."""
+    """Q3_K: 3-bit codes less 4, packed (a plane of 2 low bits, one of high bits), a scale per 16 inputs
+    (layout SUB, an int8 a half): q8h's outputs."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    check_shapes(xq, dx, qs, 8, 2, scales, SUB, y)
+    check_shapes(xq, dx, qs, 6, 2, scales, SUB, y)
     codes, xf, dxf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), scales.reshape(-1), y.reshape(-1)
     per_tile, per_scales = codes.size // tiles, sf.size // tiles
     parts = min(tiles, PARTS)
@@ -693,11 +699,11 @@ def q3h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def q2hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
-    """Q2_K: 2-bit codes in nibbles, a scale and a minimum per 16 inputs (layout SUB_MIN; xs [M, 2G] the sums
-    of x per 16 inputs, half_sums): q8hm's outputs."""
+    """Q2_K: 2-bit codes packed (a plane of 2 bits), a scale and a minimum per 16 inputs (layout SUB_MIN; xs
+    [M, 2G] the sums of x per 16 inputs, half_sums): q8hm's outputs."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    check_shapes(xq, dx, qs, 8, 2, scales, SUB_MIN, y)
+    check_shapes(xq, dx, qs, 4, 2, scales, SUB_MIN, y)
     _check_sums(xs, dx, 2)
     codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
         scales.reshape(-1), y.reshape(-1)

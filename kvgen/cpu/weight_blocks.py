@@ -41,8 +41,9 @@ GROUP = 32
 #   q4    nibbles, d and m per 32: Q4_0 (m = -8 d, not held), Q4_1, Q4_K (d sc, -dmin mn)
 #   q4i   nibbles indexing IQ4_VALUES, d per 32: IQ4_NL, IQ4_XS (d (ls - 32))
 #   q8    int8 codes, d per 32: Q8_0
-#   q3h   3-bit codes in nibbles, d per 16: Q3_K (q - 4 where the high bit is clear)
-#   q2hm  2-bit codes in nibbles, d and m per 16: Q2_K
+#   q3h   3-bit codes packed (a plane of 2 low bits and one of high bits), d per 16: Q3_K (q - 4 where the
+#         high bit is clear)
+#   q2hm  2-bit codes packed (a plane of 2 bits), d and m per 16: Q2_K
 #   (q8h, q8hm: the same as int8 codes, the kernels' references in the tests; no file type runs on them)
 #   q5    5-bit codes packed (nibbles and a plane of high bits), d per 32: Q5_0 (q - 16)
 #   q5m   5-bit codes packed, d and m per 32: Q5_1, Q5_K
@@ -54,6 +55,7 @@ BLOCK_TYPES = {
     "Q5_0": ("q5", 22, 32), "Q5_1": ("q5m", 24, 32), "Q5_K": ("q5m", 176, 256), "Q6_K": ("q6h", 210, 256),
 }
 PACKED = vector_matmul.PACKED  # the packed kinds: (high bits an input, the offset their codes take off)
+LOW_BITS = vector_matmul.LOW_BITS  # a packed kind's low bits an input, where not 4
 IQ4_VALUES = np.array(vector_matmul.IQ4_VALUES, np.int8)  # the values q4i's nibbles index
 SUPER = vector_matmul.SUPER  # blocks of 32 a super-block of 256 inputs holds
 
@@ -239,12 +241,14 @@ def _iq4xs_codes(b, rows, first, out, d, ds):  # pragma: no cover - compiled
 
 @njit(cache=True, nogil=True)
 def _low_bit_codes(b, three, rows, first, out, d, m, ds, ms):  # pragma: no cover - compiled
-    """Q3_K (three True; m, ms unused) or Q2_K blocks b [R, S, 110 or 84] -> out: a code a nibble, q3h's
-    3-bit two's complement or q2hm's 2 bits, 8 pairs a block (byte j: inputs j and j + 16); d (and m, the
-    file's -dmin) [N, S] fp16 bits, ds (and ms) [N, 8 S, 2] the int8 scales (and mins) per 16 inputs. Block
-    g's input i: bits 2 (g % 4) of qs[32 (g // 4) + i], and Q3_K's bit g of hmask[i] (clear: the code - 4)."""
+    """Q3_K (three True; m, ms unused) or Q2_K blocks b [R, S, 110 or 84] -> out: q3h's 6 pairs a block (a plane
+    of the codes' low 2 bits: byte j holding input j + 8 i at bit 2 i; then one of Q3_K's high bits, of u ^ 4:
+    byte j holding input j + 4 i at bit i), q2hm's 4 (the plane of 2 bits); d (and m, the file's -dmin) [N, S]
+    fp16 bits, ds (and ms) [N, 8 S, 2] the int8 scales (and mins) per 16 inputs. Block g's input t: bits
+    2 (g % 4) of qs[32 (g // 4) + t], and Q3_K's bit g of hmask[t] (clear: the code - 4, so u ^ 4's bit set)."""
     lanes = out.shape[2]
     q = 32 if three else 16  # where qs starts
+    pairs = 6 if three else 4
     for i in range(rows.shape[0]):
         dst = first + i
         a, c = dst // lanes, dst % lanes
@@ -263,16 +267,18 @@ def _low_bit_codes(b, three, rows, first, out, d, m, ds, ms):  # pragma: no cove
                     ms[dst, 8 * s + k // 2, k % 2] = blk[k] >> 4
             for g in range(8):
                 at, shift = q + 32 * (g // 4), 2 * (g % 4)
-                for p in range(8):
+                for p in range(pairs):
                     v = 0
                     for e in range(2):
-                        for h in range(2):  # the low nibble: input 2p + e, the high one: 2p + e + 16
-                            t = 2 * p + e + 16 * h
-                            code = (blk[at + t] >> shift) & 3
-                            if three:
-                                code |= (((blk[t] >> g) & 1) ^ 1) << 2
-                            v |= np.uint16(code) << (8 * e + 4 * h)
-                    out[a, (8 * s + g) * 8 + p, c] = v
+                        j, byte = 2 * p + e, 0
+                        if p < 4:  # the low bits' plane
+                            for f in range(4):
+                                byte |= ((blk[at + j + 8 * f] >> shift) & 3) << (2 * f)
+                        else:  # Q3_K's high bits' plane
+                            for f in range(8):
+                                byte |= (((blk[j - 8 + 4 * f] >> g) & 1) ^ 1) << f
+                        v |= np.uint16(byte) << (8 * e)
+                    out[a, (8 * s + g) * pairs + p, c] = v
 
 
 @njit(cache=True, nogil=True)
@@ -323,7 +329,7 @@ COMPILED_TYPES = {"Q4_K": "SUB_MIN", "Q5_K": "SUB_MIN", "Q6_K": "SUB", "IQ4_XS":
 # the types whose codes are the file's bytes as they are: (first byte of the codes in a block, fp16 d's, m's)
 AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None), "IQ4_NL": (2, 0, None)}
 # a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
-PAIRS = {"q4": 8, "q4i": 8, "q3h": 8, "q2hm": 8, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
+PAIRS = {"q4": 8, "q4i": 8, "q3h": 6, "q2hm": 4, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
 INT8_KINDS = ("q8", "q8h", "q8hm")
 
 
@@ -345,27 +351,41 @@ def _scale_arrays(type_name: str, n: int, groups: int) -> tuple:
             np.empty((n, 8 * supers), np.int8))
 
 
-def _pack(kind: str, q: np.ndarray) -> np.ndarray:
-    """[N, G, 32] int8 codes (input order) -> [N, G, 16 + 4 bits] uint8, a packed kind's bytes a row
-    and block (vector_matmul's layout): q4's nibbles of u = q + offset (byte j: inputs j, j + 16),
-    then the high bits of u ^ offset (the offset is u's top bit: the kernels read (u ^ offset) << s
-    as the int8 (u - offset) 2^s), byte j of the plane holding input j + 4 bits i's at bit `bits` i."""
-    bits, offset = PACKED[kind]
-    u = (q.astype(np.int16) + offset).astype(np.uint8)
-    nibbles = (u[..., :16] & 15) | ((u[..., 16:] & 15) << 4)
-    high = ((u ^ offset) >> 4).reshape(*u.shape[:2], 8 // bits, 4 * bits)  # [.., i, j]: input j + 4 bits i
+def _plane(fields: np.ndarray, bits: int) -> np.ndarray:
+    """[.., 32] fields of `bits` bits (input order) -> [.., 4 bits] bytes, byte j holding input j + 4 bits i
+    at bit bits i (for 4 bits, q4's nibble bytes: input j low, j + 16 high)."""
+    f = fields.reshape(*fields.shape[:-1], 8 // bits, 4 * bits)  # [.., i, j]: input j + 4 bits i
     shifts = (bits * np.arange(8 // bits, dtype=np.uint8))[:, None]
-    return np.concatenate((nibbles, np.bitwise_or.reduce(high << shifts, axis=-2).astype(np.uint8)), -1)
+    return np.bitwise_or.reduce(f << shifts, axis=-2).astype(np.uint8)
+
+
+def _unplane(plane: torch.Tensor, bits: int) -> torch.Tensor:
+    """_plane's inverse: [.., 4 bits] uint8 -> [.., 32] int16 fields in input order."""
+    shifts = bits * torch.arange(8 // bits, dtype=torch.int16)
+    fields = (plane.short()[..., None, :] >> shifts[:, None]) & ((1 << bits) - 1)  # [.., i, j]
+    return fields.reshape(*plane.shape[:-1], 32)
+
+
+def _pack(kind: str, q: np.ndarray) -> np.ndarray:
+    """[N, G, 32] int8 codes (input order) -> [N, G, 4 (L + b)] uint8, a packed kind's bytes a row and
+    block (vector_matmul's layout): v = u ^ offset for u = q + offset (the offset is u's top bit: the
+    kernels read v << s as the int8 (u - offset) 2^s), its low L bits in a plane (q4's nibbles for L = 4),
+    then its high b bits in another."""
+    high, offset = PACKED[kind]
+    low = LOW_BITS.get(kind, 4)
+    v = ((q.astype(np.int16) + offset) ^ offset).astype(np.uint8)
+    planes = [_plane(v & ((1 << low) - 1), low)] + ([_plane(v >> low, high)] if high else [])
+    return np.concatenate(planes, -1)
 
 
 def _unpack(kind: str, qs: torch.Tensor) -> torch.Tensor:
-    """_pack's inverse: [N, G, 16 + 4 bits] uint8 -> [N, G, 32] int16 codes in input order."""
-    bits, offset = PACKED[kind]
-    low = torch.cat((qs[..., :16] & 15, qs[..., :16] >> 4), -1).short()
-    plane = qs[..., 16:].short()  # [.., j]
-    shifts = bits * torch.arange(8 // bits, dtype=torch.int16)
-    high = (plane[..., None, :] >> shifts[:, None]) & ((1 << bits) - 1)  # [.., i, j]: input j + 4 bits i
-    return ((low | (high.reshape(low.shape) << 4)) ^ offset) - offset
+    """_pack's inverse: [N, G, 4 (L + b)] uint8 -> [N, G, 32] int16 codes in input order."""
+    high, offset = PACKED[kind]
+    low = LOW_BITS.get(kind, 4)
+    v = _unplane(qs[..., :4 * low], low)
+    if high:
+        v = v | (_unplane(qs[..., 4 * low:], high) << low)
+    return (v ^ offset) - offset
 
 
 def _tensor(a: np.ndarray | None) -> torch.Tensor | None:
@@ -408,7 +428,7 @@ class WeightBlocks:
         d, m, ds, ms, q = _parse(type_name, b)
         q = q.reshape(b.shape[0], -1, GROUP)
         if kind in vector_matmul.NIBBLE_KINDS:  # byte j: input j in the low nibble, j + 16 in the high
-            q = q.astype(np.uint8) & (7 if kind == "q3h" else 15)  # q3h: a 3-bit two's complement code
+            q = q.astype(np.uint8) & 15
             q = q[..., :16] | (q[..., 16:] << 4)
         elif kind in PACKED:
             q = _pack(kind, q)
@@ -475,9 +495,7 @@ class WeightBlocks:
         packed kinds' codes less their offset, the int8 ones)."""
         if self.kind in vector_matmul.NIBBLE_KINDS:
             nibbles = torch.cat((self.qs & 15, self.qs >> 4), -1)
-            if self.kind == "q4i":
-                return torch.from_numpy(IQ4_VALUES)[nibbles.long()]
-            return ((nibbles ^ 4) - 4).to(torch.int8) if self.kind == "q3h" else nibbles
+            return torch.from_numpy(IQ4_VALUES)[nibbles.long()] if self.kind == "q4i" else nibbles
         return _unpack(self.kind, self.qs) if self.kind in PACKED else self.qs
 
     def dequantize(self) -> torch.Tensor:
@@ -650,8 +668,8 @@ def compile_kernels() -> None:
     # the kinds below: one code type (int8, or the packed kinds' uint8), vectors only
     vm.q4i_matmul(xq, dx, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y)
     vm.q8h_matmul(xq, dx, codes(16), scales(vm.SUB, 2), y)
-    vm.q3h_matmul(xq, dx, codes(8, np.uint8), scales(vm.SUB, 2), y)
-    vm.q2hm_matmul(xq, dx, sums, codes(8, np.uint8), scales(vm.SUB_MIN, 2), y)
+    vm.q3h_matmul(xq, dx, codes(6, np.uint8), scales(vm.SUB, 2), y)
+    vm.q2hm_matmul(xq, dx, sums, codes(4, np.uint8), scales(vm.SUB_MIN, 2), y)
     vm.q8hm_matmul(xq, dx, sums, codes(16), scales(vm.SUB_MIN, 2), y)
     vm.q5_matmul(xq, dx, codes(10, np.uint8), scales(vm.F16), y)
     vm.q5m_matmul(xq, dx, xs, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y)
@@ -667,8 +685,8 @@ def compile_kernels() -> None:
     block_matmul.q8_linear(x, codes(16), scales(vm.F16), vm.F16, y, room)
     block_matmul.q4i_linear(x, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y, room)
     block_matmul.q8h_linear(x, codes(16), scales(vm.SUB, 2), y, room)
-    block_matmul.q3h_linear(x, codes(8, np.uint8), scales(vm.SUB, 2), y, room)
-    block_matmul.q2hm_linear(x, codes(8, np.uint8), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
+    block_matmul.q3h_linear(x, codes(6, np.uint8), scales(vm.SUB, 2), y, room)
+    block_matmul.q2hm_linear(x, codes(4, np.uint8), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
     block_matmul.q8hm_linear(x, codes(16), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
     block_matmul.q5_linear(x, codes(10, np.uint8), scales(vm.F16), y, room)
     block_matmul.q5m_linear(x, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)

@@ -11,7 +11,16 @@ import torch
 
 from kvgen.cpu import features
 from kvgen.cpu.vector_matmul import NIBBLE_KINDS
-from kvgen.cpu.weight_blocks import AS_FILED, BLOCK_TYPES, COMPILED_TYPES, GROUP, PACKED, BlockLinear, WeightBlocks
+from kvgen.cpu.weight_blocks import (
+    AS_FILED,
+    BLOCK_TYPES,
+    COMPILED_TYPES,
+    GROUP,
+    LOW_BITS,
+    PACKED,
+    BlockLinear,
+    WeightBlocks,
+)
 from kvgen.engine.generator import kernel_path, load_model
 from kvgen.engine.model import Model, interleave
 from tests.cpu.isa_build import run_in_build
@@ -95,14 +104,14 @@ def test_random_blocks_dequantize_as_gguf_py(qtype):
     assert (m is None) == (b.kind in ("q4i", "q3h", "q8", "q8h", "q5", "q6h"))
 
 
-# Bits a weight held (codes, then scales), per type: nibbles (IQ4's indices into its table), packed 5- or
-# 6-bit codes or int8 codes; an fp16 d (and m) per block of 32, or per super-block of 256 with an int8 per
+# Bits a weight held (codes, then scales), per type: nibbles (IQ4's indices into its table), packed 2-, 3-, 5-
+# or 6-bit codes or int8 codes; an fp16 d (and m) per block of 32, or per super-block of 256 with an int8 per
 # block of 32 (per 16 for Q6_K, Q3_K, Q2_K) for d (and m): the file's own scales, its 6- and 4-bit ones a
 # byte each
 HELD_BITS = {"Q4_0": 4 + 16 / 32, "Q4_1": 4 + 32 / 32, "Q4_K": 4 + 32 / 256 + 16 / 32,
              "Q8_0": 8 + 16 / 32, "Q5_0": 5 + 16 / 32, "IQ4_NL": 4 + 16 / 32, "IQ4_XS": 4 + 16 / 256 + 8 / 32,
              "Q5_1": 5 + 32 / 32, "Q5_K": 5 + 32 / 256 + 16 / 32,
-             "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 4 + 16 / 256 + 8 / 16, "Q2_K": 4 + 32 / 256 + 16 / 16}
+             "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 3 + 16 / 256 + 8 / 16, "Q2_K": 2 + 32 / 256 + 16 / 16}
 
 
 @pytest.mark.parametrize("qtype", [getattr(Q, t) for t in COMPILED_TYPES], ids=lambda q: q.name)
@@ -122,9 +131,10 @@ def test_the_compiled_conversion_is_the_numpy_parse_bit_for_bit(qtype):
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
 def test_blocks_hold_the_files_scales_not_floats(qtype):
     """A BlockLinear holds its codes and its scales' bytes and nothing else, HELD_BITS a weight:
-    the scales as the file holds them (fp16, int8), not a float32 per block; the nibble and packed
-    types within an eighth of a bit of their file (Q4_K 4.625 against 4.5, Q5_K 5.625 against 5.5,
-    Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, IQ4_NL and IQ4_XS at it)."""
+    the scales as the file holds them (fp16, int8), not a float32 per block; the codes at the file's
+    bits, so every type within an eighth of a bit of its file (Q4_K 4.625 against 4.5, Q5_K 5.625
+    against 5.5, Q3_K 3.5625 against 3.4375; Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, IQ4_NL and IQ4_XS at it)
+    but Q2_K: its 4-bit scales and minimums per 16 inputs held as int8s, 3.125 against 2.625."""
     n, k = 64, width(qtype, 1024)
     blocks = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, n, k))
     assert blocks.d.dtype == torch.float16 and (blocks.m is None or blocks.m.dtype == torch.float16)
@@ -135,10 +145,7 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
     bits = 8 * sum(a.nbytes for a in held) / (n * k)
     assert bits == HELD_BITS[qtype.name]
     per, size = gguf.GGML_QUANT_SIZES[qtype]
-    if lin.kind in ("q4", "q4i") or lin.kind in PACKED:
-        assert bits <= 8 * size / per + 1 / 8
-    elif lin.kind in NIBBLE_KINDS:  # Q3_K's 3-bit and Q2_K's 2-bit codes a nibble each
-        assert bits <= 8 * size / per + 2.5
+    assert bits <= 8 * size / per + (1 / 2 if qtype.name == "Q2_K" else 1 / 8)
 
 
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
@@ -186,37 +193,23 @@ def test_kernels_multiply_int16_activations_exactly(qtype, rows):
 
 # A packed kind and the int8 kind whose kernels multiply the same codes by the same scales (q5m's
 # int8 twin, q8m, went with it: no type runs on int8 codes with a minimum per 32 any more)
-INT8_TWIN = {"q5": "q8", "q6h": "q8h"}
+INT8_TWIN = {"q5": "q8", "q6h": "q8h", "q3h": "q8h", "q2hm": "q8hm"}
 
 
-@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q6_K, Q.Q3_K, Q.Q2_K], ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 3, 4, 9, 37])
 def test_packed_codes_give_the_int8_codes_bits(qtype, rows):
-    """Q5_0's and Q6_K's packed 5- and 6-bit codes (nibbles and a plane of high bits, unpacked in
-    registers) are the very integers int8 codes hold: the packed kernels' outputs are the int8
+    """Q5_0's, Q6_K's, Q3_K's and Q2_K's packed 5-, 6-, 3- and 2-bit codes (planes of low and high bits,
+    unpacked in registers) are the very integers int8 codes hold: the packed kernels' outputs are the int8
     kernels' bit for bit, every code of every block at random."""
     k = width(qtype, 576)
     packed = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, 72, k, seed=rows))
-    codes, (bits, offset) = packed.codes(), PACKED[packed.kind]
-    assert (codes.min(), codes.max()) == (-offset, (16 << bits) - 1 - offset)  # every high bit in use
+    codes, (high, offset) = packed.codes(), PACKED[packed.kind]
+    bits = LOW_BITS.get(packed.kind, 4) + high
+    assert (codes.min(), codes.max()) == (-offset, (1 << bits) - 1 - offset)  # every bit in use
     as_int8 = WeightBlocks(INT8_TWIN[packed.kind], codes.to(torch.int8), packed.d, packed.m, packed.ds, packed.ms)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     assert torch.equal(BlockLinear(packed, None)(x), BlockLinear(as_int8, None)(x))
-
-
-@pytest.mark.parametrize(("qtype", "span"), [(Q.Q3_K, (-4, 3)), (Q.Q2_K, (0, 3))], ids=lambda q: getattr(q, "name", ""))
-@pytest.mark.parametrize("rows", [1, 3, 4, 9, 37])
-def test_nibble_codes_give_the_int8_codes_bits(qtype, span, rows):
-    """Q3_K's 3-bit and Q2_K's 2-bit codes held a nibble each (q3h, q2hm) are the very integers int8 codes
-    with the same scales (q8h, q8hm) multiply: the same outputs bit for bit, every code in use."""
-    k = width(qtype, 576)
-    nibbles = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, 72, k, seed=rows))
-    codes = nibbles.codes()
-    assert (codes.min(), codes.max()) == span
-    twin = {"q3h": "q8h", "q2hm": "q8hm"}[nibbles.kind]
-    as_int8 = WeightBlocks(twin, codes.to(torch.int8), nibbles.d, nibbles.m, nibbles.ds, nibbles.ms)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    assert torch.equal(BlockLinear(nibbles, None)(x), BlockLinear(as_int8, None)(x))
 
 
 def kernel_outputs() -> list[torch.Tensor]:
