@@ -233,12 +233,13 @@ def block_scales(builder, kind: str, layout: int, scales, at, g, lane: int) -> l
     return out
 
 
-def _packed_codes(builder, kind: str, load, p: int) -> tuple:
-    """A packed kind's codes of pair p as int16 words, (inputs 2p, 2p+1; inputs 2p+16, 2p+17),
-    and the power of two 2^s they are scaled by: put together as bytes (half a vector's work where
-    int16 words take a whole one), then widened. A code u - offset of L + b bits (L the low plane's,
-    b the high one's; offset 2^(L+b-1), its top bit) is the byte (u ^ offset) << s read as int8,
-    s = 8 - L - b: each plane's field moved to its place in the byte (the high bits held xor the
+def _packed_codes(builder, kind: str, load, p: int, width: int) -> tuple:
+    """A packed kind's codes of pair p as bytes, (inputs 2p, 2p+1; inputs 2p+16, 2p+17) of the
+    width / 2 rows `load` reads, and the power of two 2^s they are scaled by: put together as bytes
+    (half a vector's work where int16 words take a whole one; _widen makes them words). A code
+    u - offset of L + b bits (L the low plane's, b the high one's; offset 2^(L+b-1), its top bit) is
+    the byte (u ^ offset) << s read as int8, s = 8 - L - b: each plane's field moved to its place in
+    the byte (the high bits held xor the
     offset's bit: weight_blocks._pack), so no subtraction; a kind with no offset (q5m, q2hm) the byte
     u as is, s = 0. The dots come out 2^s times the int8 codes' (exact: no int32 sum overflows),
     shifted back at the block's end: the same integers. A plane of B bits an input is 4 B bytes a
@@ -252,9 +253,9 @@ def _packed_codes(builder, kind: str, load, p: int) -> tuple:
     loaded = {}
 
     def moved(v, by, mask):  # (v << by) & mask, a right shift for by < 0
-        v = builder.shl(v, vector(I8, [by] * 2 * LANES)) if by > 0 else \
-            builder.lshr(v, vector(I8, [-by] * 2 * LANES)) if by < 0 else v
-        return builder.and_(v, vector(I8, [mask] * 2 * LANES))
+        v = builder.shl(v, vector(I8, [by] * width)) if by > 0 else \
+            builder.lshr(v, vector(I8, [-by] * width)) if by < 0 else v
+        return builder.and_(v, vector(I8, [mask] * width))
 
     out = []
     for half in (0, 1):  # inputs 2p, 2p+1; inputs 2p+16, 2p+17
@@ -266,8 +267,16 @@ def _packed_codes(builder, kind: str, load, p: int) -> tuple:
             field = p // (2 * bits) + half * (4 // bits)
             part = moved(loaded[pair], shift + at - bits * field, ((1 << bits) - 1) << (shift + at))
             byte = part if byte is None else builder.or_(byte, part)
-        out.append(builder.sext(byte, WORDS) if offset else builder.zext(byte, WORDS))
+        out.append(byte)
     return (*out, shift)
+
+
+def _widen(builder, kind: str, v, index: int):
+    """Bytes index * 2 LANES .. of a packed kind's codes (_packed_codes) as int16 words: its int8 codes
+    (u - offset) 2^s sign-extended, a kind without an offset's u zero-extended."""
+    if v.type.count != 2 * LANES:
+        v = builder.shuffle_vector(v, v, vector(I32, range(index * 2 * LANES, (index + 1) * 2 * LANES)))
+    return builder.sext(v, WORDS) if PACKED[kind][1] else builder.zext(v, WORDS)
 
 
 # IQ4_NL's and IQ4_XS's 16 values (llama.cpp's kvalues_iq4nl), which q4i's nibbles index
@@ -345,20 +354,31 @@ def _tile_linear(kind: str, layout: int, rows: int):
                     scaled = 0  # the packed kinds' dots: 2^scaled times the codes' (_packed_codes)
                     for phase, p in ((phase, p) for phase in phases for p in range(8 if nibbles else pairs)):
                         codes = {}  # cg -> (lo, hi) nibbles' or (w,) bytes' words: every vector's, then the rows
-                        for cg in cgs:
-                            def load(p, q=q, cg=cg):  # pair p's 2 LANES bytes: two a row, for LANES rows
-                                at_p = at(q, i64((p * TILE + cg * LANES) * 2))
-                                return builder.load(builder.bitcast(at_p, BYTES.as_pointer()), align=1)
+                        if kind in PACKED:
+                            # the pass's vectors' bytes as one (their rows are neighbours): on AVX2 a pair's
+                            # planes for both vectors in one 256-bit byte op each, where a vector's took as many
+                            # 128-bit ones (the 1-row decode of a q6h or q3h matrix was a third unpacking)
+                            def load_all(p, q=q, cgs=cgs):  # pair p's bytes for the pass's vectors' rows
+                                at_p = at(q, i64((p * TILE + cgs[0] * LANES) * 2))
+                                wide = ir.VectorType(I8, 2 * LANES * len(cgs))
+                                return builder.load(builder.bitcast(at_p, wide.as_pointer()), align=1)
 
-                            if kind in PACKED:
-                                lo, hi, scaled = _packed_codes(builder, kind, load, p)
-                            elif kind == "q4i":
-                                lo, hi = _table_codes(builder, load(p))
-                            elif kind == "q4":
-                                w = builder.zext(load(p), WORDS)
-                                lo = builder.and_(w, vector(I16, [15] * 2 * LANES))
-                                hi = builder.lshr(w, vector(I16, [4] * 2 * LANES))
-                            codes[cg] = (lo, hi) if nibbles else (builder.sext(load(p), WORDS),)
+                            lo, hi, scaled = _packed_codes(builder, kind, load_all, p, 2 * LANES * len(cgs))
+                            for i, cg in enumerate(cgs):
+                                codes[cg] = (_widen(builder, kind, lo, i), _widen(builder, kind, hi, i))
+                        else:
+                            for cg in cgs:
+                                def load(p, q=q, cg=cg):  # pair p's 2 LANES bytes: two a row, for LANES rows
+                                    at_p = at(q, i64((p * TILE + cg * LANES) * 2))
+                                    return builder.load(builder.bitcast(at_p, BYTES.as_pointer()), align=1)
+
+                                if kind == "q4i":
+                                    lo, hi = _table_codes(builder, load(p))
+                                elif kind == "q4":
+                                    w = builder.zext(load(p), WORDS)
+                                    lo = builder.and_(w, vector(I16, [15] * 2 * LANES))
+                                    hi = builder.lshr(w, vector(I16, [4] * 2 * LANES))
+                                codes[cg] = (lo, hi) if nibbles else (builder.sext(load(p), WORDS),)
                         # a row at a time, its activation pairs broadcast once for every vector of sums
                         for i in range(rows):
                             if nibbles:
