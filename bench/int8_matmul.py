@@ -30,7 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kvgen.cpu import block_matmul, features, int8_matmul, vector_matmul  # noqa: E402
+from kvgen.cpu import block_matmul, features, int8_matmul, int16_rounding  # noqa: E402
 from kvgen.cpu.vector_matmul import TILE  # noqa: E402
 from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks  # noqa: E402
 
@@ -126,7 +126,7 @@ def main() -> None:
             for rows in args.rows:
                 x = rng.standard_normal((rows, k)).astype(np.float32)
                 y = np.empty((rows, lin.qs.shape[0] * TILE), np.float32)
-                room = vector_matmul.scratch(rows, k)
+                room = int16_rounding.scratch(rows, k)
                 old, new = best_ms([partial(int16, one, x, y, room), partial(int8, one, x, y)], args.reps)
                 gbs = " |  |  | "
                 if rows == 1:
@@ -146,7 +146,7 @@ def main() -> None:
             got = []
             for fn in (int16, int8):
                 y = np.empty((len(x), lin.qs.shape[0] * TILE), np.float32)
-                fn(one, x, y, vector_matmul.scratch(*x.shape))
+                fn(one, x, y, int16_rounding.scratch(*x.shape))
                 got.append(np.abs(y[:, :ERR_ROWS] - want).max() / np.abs(want).max())
             errors.append((type_name, name, *got))
     print(f"load average {os.getloadavg()}")

@@ -31,7 +31,8 @@ from numba.extending import intrinsic
 
 from kvgen.cpu import vector_matmul
 from kvgen.cpu.llvm_ir import FLOATS, I8, I32, INTS, add_all, arguments, i64, splat, vector
-from kvgen.cpu.vector_matmul import F16, F16_MIN, LAYOUTS, PARTS, SUB, SUB_MIN, TILE
+from kvgen.cpu.threads import PARTS
+from kvgen.cpu.vector_matmul import F16, F16_MIN, LAYOUTS, SUB, SUB_MIN, TILE
 
 # Rows from which a call takes the tiles: below that the vector kernels' 4-row passes cost less
 # than a 16-row tile pass padded with unused rows. Measured over a SmolLM2 layer's Q4_1 matmuls,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from numba import njit
 
-from kvgen.cpu import amx_matmul, features, int8_matmul, vector_matmul
+from kvgen.cpu import amx_matmul, features, int8_matmul, int16_rounding, vector_matmul
 
 # A plain global, so that Numba prunes the tiles' branch where it is False: a build without
 # AMX-INT8 cannot even compile their intrinsics.
@@ -29,7 +29,7 @@ def q4_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     if INT8:  # CPU_ACTIVATIONS=int8: every row count (features.py)
         int8_matmul.q4_linear_int8(x, qs, scales, layout, y)
         return
-    xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, xs = int16_rounding.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
         amx_matmul.q4_matmul(xq, dx, xs, qs, scales, layout, y)
     else:
@@ -42,7 +42,7 @@ def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     if INT8:
         int8_matmul.q8_linear_int8(x, qs, scales, layout, y)
         return
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
     if AMX and x.shape[0] >= amx_matmul.AMX_FROM:
         amx_matmul.q8_matmul(xq, dx, qs, scales, layout, y)
     else:
@@ -54,14 +54,14 @@ def q8_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
 @njit(cache=True, nogil=True)
 def q4i_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     """y = x W^T for nibbles indexing IQ4's 16 values, a scale per block (IQ4_NL: F16; IQ4_XS: SUB)."""
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q4i_matmul(xq, dx, qs, scales, layout, y)
 
 
 @njit(cache=True, nogil=True)
 def q3h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
     """y = x W^T for packed 3-bit codes with a scale per 16 inputs (Q3_K)."""
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q3h_matmul(xq, dx, qs, scales, y)
 
 
@@ -69,14 +69,14 @@ def q3h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
 def q2hm_linear(x, qs, scales, y, room, sums):  # pragma: no cover - compiled
     """y = x W^T for packed 2-bit codes with a scale and a minimum per 16 inputs (Q2_K); sums as
     q8hm_linear's."""
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
-    vector_matmul.q2hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, scales, y)
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q2hm_matmul(xq, dx, int16_rounding.half_sums(x, sums), qs, scales, y)
 
 
 @njit(cache=True, nogil=True)
 def q8h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
     """y = x W^T for int8 codes with a scale per 16 inputs (Q3_K)."""
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q8h_matmul(xq, dx, qs, scales, y)
 
 
@@ -84,8 +84,8 @@ def q8h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
 def q8hm_linear(x, qs, scales, y, room, sums):  # pragma: no cover - compiled
     """y = x W^T for int8 codes with a scale and a minimum per 16 inputs (Q2_K); sums: a flat
     float32 scratch of M K / 16 for x's sums per 16 inputs."""
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
-    vector_matmul.q8hm_matmul(xq, dx, vector_matmul.half_sums(x, sums), qs, scales, y)
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
+    vector_matmul.q8hm_matmul(xq, dx, int16_rounding.half_sums(x, sums), qs, scales, y)
 
 
 @njit(cache=True, nogil=True)
@@ -94,7 +94,7 @@ def q5_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
     if INT8:
         int8_matmul.q5_linear_int8(x, qs, scales, y)
         return
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q5_matmul(xq, dx, qs, scales, y)
 
 
@@ -104,7 +104,7 @@ def q5m_linear(x, qs, scales, layout, y, room):  # pragma: no cover - compiled
     if INT8:
         int8_matmul.q5m_linear_int8(x, qs, scales, layout, y)
         return
-    xq, dx, xs = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, xs = int16_rounding.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q5m_matmul(xq, dx, xs, qs, scales, layout, y)
 
 
@@ -114,5 +114,5 @@ def q6h_linear(x, qs, scales, y, room):  # pragma: no cover - compiled
     if INT8:
         int8_matmul.q6h_linear_int8(x, qs, scales, y)
         return
-    xq, dx, _ = vector_matmul.round_rows(x, room[0], room[1], room[2])
+    xq, dx, _ = int16_rounding.round_rows(x, room[0], room[1], room[2])
     vector_matmul.q6h_matmul(xq, dx, qs, scales, y)

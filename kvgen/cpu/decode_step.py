@@ -20,7 +20,17 @@ import math
 import numpy as np
 from numba import njit, prange, typed, types
 
-from kvgen.cpu import block_matmul, key_lanes, kv_io, lora_lanes, paged_attention, vector_exp, vector_matmul
+from kvgen.cpu import (
+    block_matmul,
+    int16_rounding,
+    key_lanes,
+    kv_io,
+    lora_lanes,
+    paged_attention,
+    vector_exp,
+    vector_matmul,
+)
+from kvgen.cpu.threads import PARTS
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -108,7 +118,7 @@ def _rows_parallel(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, 
                    act):  # pragma: no cover - compiled
     """_rows over all rows, cut in runs of consecutive rows, one a thread."""
     rows = positions.shape[0]
-    parts = min(rows, vector_matmul.PARTS)
+    parts = min(rows, PARTS)
     for part in prange(parts):
         _rows(stage, part * rows // parts, (part + 1) * rows // parts, h, add, w, eps, x, positions, tables, kv,
               layer, cos, sin, heads, kv_heads, head_dim, gu, act)
@@ -255,7 +265,7 @@ def step(h, positions, tables, kv, kvq, blocks, slot, kt, ln1, ln2, norm, weight
     d_out = np.empty((rows, widths[3]), np.float32)
     # the head's rows may outnumber the step's (a row named twice in need)
     most, widest = max(rows, need.shape[0]), max(hidden, inter, heads * head_dim)
-    room = vector_matmul.scratch(most, widest)
+    room = int16_rounding.scratch(most, widest)
     sums = np.empty(most * (widest // 16), np.float32)  # q8hm's sums of x per 16 inputs
     spare = np.empty(most * widths[4], np.float32)
     block = kv.shape[3]

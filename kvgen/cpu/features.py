@@ -33,7 +33,7 @@ AMX = VNNI and "+amx-int8" in FEATURES.split(",") and _request_amx()
 # the q4, q8, q5, q5m and q6h weights (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) multiply activations
 # rounded to int8 per block of 32 (int8_matmul.py: vpdpbusd, 1.6-2.0x the int16 kernels' multiply-adds from 16
 # rows up, Q8_0 1.4-1.6x, at llama.cpp's activation rounding; IQ4, Q3_K, Q2_K keep int16); int16, the default, keeps
-# vector_matmul's 2^-16 rounding. Every row count takes the same kernel, so a row's output still does not
+# int16_rounding's 2^-16. Every row count takes the same kernel, so a row's output still does not
 # depend on the others. Needs AVX512-VNNI; the service refuses the setting elsewhere.
 ACTIVATIONS = os.environ.get("CPU_ACTIVATIONS", "int16").strip().lower() or "int16"
 INT8 = VNNI and ACTIVATIONS == "int8"

@@ -89,13 +89,13 @@ from kvgen.cpu.llvm_ir import (
     splat,
     vector,
 )
+from kvgen.cpu.threads import PARTS
 from kvgen.cpu.vector_matmul import (
     F16,
     F16_MIN,
     KINDS,
     LAYOUTS,
     PACKED,
-    PARTS,
     SUB,
     SUB_MIN,
     TILE,

@@ -37,8 +37,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from kvgen.cpu import vector_matmul
 from kvgen.cpu.llvm_ir import FLOATS, I32, LANES, add_all, arguments, broadcast, fma, i64, splat, vector
+from kvgen.cpu.threads import PARTS
 
 TILE = 16  # keys a scores call computes; a KV block must hold a whole number of them
 VECS = TILE // LANES  # vectors a tile of keys fills
@@ -310,7 +310,7 @@ def transpose_blocks(kv, layer, blocks, kt):  # pragma: no cover - compiled
     n = blocks.shape[0] * kv_heads
     kf, ktf = kv.reshape(-1), kt.reshape(-1)
     per_block, per_layer = kv[0].size, kv[0, 0].size
-    parts = min(n, vector_matmul.PARTS)
+    parts = min(n, PARTS)
     for part in prange(parts):
         for i in range(part * n // parts, (part + 1) * n // parts):
             b, kh = i // kv_heads, i % kv_heads

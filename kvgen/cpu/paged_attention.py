@@ -24,7 +24,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from kvgen.cpu import key_lanes, kv_io, vector_exp, vector_matmul
+from kvgen.cpu import key_lanes, kv_io, vector_exp
+from kvgen.cpu.threads import PARTS
 
 # Keys per attention task: a row's keys go in runs of SPLIT (a multiple of key_lanes.TILE), whose
 # partial softmaxes are merged in order. Fixed, not cut to the batch: a row's sums are then the
@@ -33,7 +34,7 @@ SPLIT = 256
 # Fewer (key, query head) pairs than this in a step are attended on the calling thread alone.
 SERIAL_BELOW = 1024
 # From this many (row, run of keys, KV head) triples in a step, a task holds a KV head's whole group.
-GROUP_TASKS_FROM = 4 * vector_matmul.PARTS
+GROUP_TASKS_FROM = 4 * PARTS
 
 
 @njit(cache=True, nogil=True)
@@ -83,7 +84,7 @@ def plan(positions, kv_heads, group, head_dim, quantized=False):  # pragma: no c
         for i in range(first[r], first[r + 1]):
             task_row[i] = r
             keys[i + 1] = keys[i] + min(SPLIT, positions[r] + 1 - (i - first[r]) // wide * SPLIT)
-    parts = min(tasks, vector_matmul.PARTS) if keys[tasks] * group >= SERIAL_BELOW else 1
+    parts = min(tasks, PARTS) if keys[tasks] * group >= SERIAL_BELOW else 1
     cuts = np.empty(parts + 1, np.int64)
     for part in range(parts):
         cuts[part] = np.searchsorted(keys, keys[tasks] * part // parts)

@@ -18,6 +18,9 @@ import threading
 
 import numba
 
+# The most runs a kernel cuts its work in (a call's tiles, rows or tasks), one a thread: Numba's pool
+PARTS = numba.config.NUMBA_NUM_THREADS
+
 
 def in_fresh_thread(fn, *args, **kwargs):
     """fn(*args, **kwargs) in a new thread; returns its result or raises its exception."""

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from kvgen.cpu import amx_matmul, block_matmul, features, int8_matmul, vector_matmul
+from kvgen.cpu import amx_matmul, block_matmul, features, int8_matmul, int16_rounding, vector_matmul
 from kvgen.cpu.vector_matmul import TILE
 from kvgen.cpu.weight_arena import ALIGN, WeightArena
 
@@ -648,9 +648,9 @@ def compile_kernels() -> None:
         return
     if features.INT8:  # the int8 kernels (CPU_ACTIVATIONS=int8) and their parallel callees, first too
         int8_matmul.compile_int8_kernels()
-    vm = vector_matmul
+    vm, rounding = vector_matmul, int16_rounding
     x = np.zeros((1, SUPER * GROUP), np.float32)  # one super-block: every layout's shapes hold
-    y, room = np.zeros((1, TILE), np.float32), vm.scratch(1, x.shape[1])
+    y, room = np.zeros((1, TILE), np.float32), rounding.scratch(1, x.shape[1])
     sums = np.zeros((1, 2 * SUPER), np.float32)
 
     def scales(layout: int, halves: int = 1) -> np.ndarray:
@@ -660,8 +660,8 @@ def compile_kernels() -> None:
         return np.zeros((1, SUPER, pairs, TILE, 2), dtype)
 
     per_block = np.zeros((1, SUPER), np.float32)
-    vm.round_rows_parallel(x, np.zeros(x.shape, np.int16), per_block, per_block)  # quantize's callee
-    xq, dx, xs = vm.quantize(x)
+    rounding.round_rows_parallel(x, np.zeros(x.shape, np.int16), per_block, per_block)  # quantize's callee
+    xq, dx, xs = rounding.quantize(x)
     for dtype in (np.uint8, np.int8):
         vm.q4_matmul(xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
         vm.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
@@ -674,7 +674,7 @@ def compile_kernels() -> None:
     vm.q5_matmul(xq, dx, codes(10, np.uint8), scales(vm.F16), y)
     vm.q5m_matmul(xq, dx, xs, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y)
     vm.q6h_matmul(xq, dx, codes(12, np.uint8), scales(vm.SUB, 2), y)
-    vm.half_sums(x, sums.reshape(-1))
+    rounding.half_sums(x, sums.reshape(-1))
     if features.AMX:  # the tiles' kernels too, callees first: split, tile_matmul, then its wrappers
         amx_matmul.split(xq)
         for dtype in (np.uint8, np.int8):
@@ -765,7 +765,7 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous().numpy()
         y = np.empty((x.shape[0], self.qs.shape[0] * TILE), np.float32)
-        room = vector_matmul.scratch(*x.shape)
+        room = int16_rounding.scratch(*x.shape)
         if self.kind == "q4":
             block_matmul.q4_linear(x, self.qs, self.scales, self.layout, y, room)
         elif self.kind == "q4i":

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvgen.cpu import amx_matmul, features, vector_matmul
+from kvgen.cpu import amx_matmul, features, int16_rounding, vector_matmul
 from kvgen.cpu.weight_blocks import BlockLinear, WeightBlocks
 from tests.cpu.test_weight_blocks import TYPES, quantized, width
 
@@ -29,7 +29,7 @@ def _both(qtype, n: int, k: int, rows: int, seed: int = 0) -> tuple[np.ndarray, 
     lin = BlockLinear(WeightBlocks.from_gguf(qtype.name, quantized(qtype, n, k, seed)[0]), None)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(seed)).numpy()
     x[rows // 2] *= 1e4  # a row of large activations: its int16 codes use their high bytes fully
-    xq, dx, xs = vector_matmul.quantize(x)
+    xq, dx, xs = int16_rounding.quantize(x)
     ys = [np.full((rows, lin.qs.shape[0] * vector_matmul.TILE), np.nan, np.float32) for _ in range(2)]
     if lin.kind == "q4":
         vector_matmul.q4_matmul(xq, dx, xs, lin.qs, lin.scales, lin.layout, ys[0])

@@ -14,11 +14,11 @@ import sys
 
 CALLEES = """
 import numpy as np
-from kvgen.cpu import vector_matmul as ck
+from kvgen.cpu import int16_rounding, vector_matmul as ck
 x = np.zeros((2, 64), np.float32)
 y = np.zeros((2, ck.TILE), np.float32)
 s16, s16m = (np.zeros((1, *ck.scale_shape.py_func(layout, 1, 2)), np.uint8) for layout in (ck.F16, ck.F16_MIN))
-xq, dx, xs = ck.quantize(x)
+xq, dx, xs = int16_rounding.quantize(x)
 ck.q4_matmul(xq, dx, xs, np.zeros((1, 2, 8, ck.TILE, 2), np.uint8), s16m, ck.F16_MIN, y)
 ck.q8_matmul(xq, dx, np.zeros((1, 2, 16, ck.TILE, 2), np.int8), s16, ck.F16, y)
 from kvgen.cpu import features
@@ -46,9 +46,9 @@ def test_starts_after_the_kernels_were_cached_alone_load_the_cache_safely(tmp_pa
 # A cached kernel's run in a copy of kvgen: where its cache went, and whether it was compiled.
 PROBE = """
 import json, numba, numpy as np
-from kvgen.cpu import vector_matmul
-vector_matmul.quantize(np.zeros((1, 64), np.float32))
-stats = vector_matmul.quantize.stats
+from kvgen.cpu import int16_rounding
+int16_rounding.quantize(np.zeros((1, 64), np.float32))
+stats = int16_rounding.quantize.stats
 print(json.dumps({"dir": numba.config.CACHE_DIR, "hits": sum(stats.cache_hits.values()),
                   "misses": sum(stats.cache_misses.values())}))
 """

@@ -151,7 +151,7 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
     """What the kernels multiply the weight codes by: each row's blocks of 32 inputs rounded to
     int16 steps of (the block's largest |x|) / 32767, half to even (written from that rule, not
-    from vector_matmul.quantize)."""
+    from int16_rounding.quantize)."""
     blocks = x.double().reshape(x.shape[0], -1, GROUP)
     step = blocks.abs().amax(-1, keepdim=True).float().double() / 32767
     return (torch.round(blocks / torch.where(step > 0, step, 1)) * step).reshape(x.shape)
