@@ -233,13 +233,12 @@ def _packed_codes(builder, kind: str, load, p: int, width: int) -> tuple:
     (half a vector's work where int16 words take a whole one; _widen makes them words). A code
     u - offset of L + b bits (L the low plane's, b the high one's; offset 2^(L+b-1), its top bit) is
     the byte (u ^ offset) << s read as int8, s = 8 - L - b: each plane's field moved to its place in
-    the byte (the high bits held xor the
-    offset's bit: weight_blocks._pack), so no subtraction; a kind with no offset (q5m, q2hm) the byte
-    u as is, s = 0. The dots come out 2^s times the int8 codes' (exact: no int32 sum overflows),
-    shifted back at the block's end: the same integers. A plane of B bits an input is 4 B bytes a
-    row, byte j holding input j + 4 B i at bit B i (B = 4: q4's nibble bytes), in pairs of bytes as
-    the nibbles are: input 2p + e is field p // (2 B) of plane pair p mod 2 B, input 2p + 16 + e the
-    field 4 // B further, in the same lanes."""
+    the byte (the high bits held xor the offset's bit: weight_blocks._pack), so no subtraction; a
+    kind with no offset (q5m, q2hm) the byte u as is, s = 0. The dots come out 2^s times the int8
+    codes' (exact: no int32 sum overflows), shifted back at the block's end: the same integers. A
+    plane of B bits an input is 4 B bytes a row, byte j holding input j + 4 B i at bit B i (B = 4:
+    q4's nibble bytes), in pairs of bytes as the nibbles are: input 2p + e is field p // (2 B) of
+    plane pair p mod 2 B, input 2p + 16 + e the field 4 // B further, in the same lanes."""
     high, offset = PACKED[kind]
     low = LOW_BITS.get(kind, 4)
     shift = 8 - low - high if offset else 0
