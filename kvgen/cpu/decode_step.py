@@ -144,6 +144,8 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
 NONE, Q4, Q8, Q8H, Q8HM, Q5, Q5M, Q6H, Q4I, Q3H, Q2HM = -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9
 KINDS = {"q4": Q4, "q8": Q8, "q8h": Q8H, "q8hm": Q8HM, "q5": Q5, "q5m": Q5M, "q6h": Q6H, "q4i": Q4I, "q3h": Q3H,
          "q2hm": Q2HM}
+# code pairs a block of each kind, by its number (vector_matmul.KINDS')
+PAIRS = tuple(vector_matmul.KINDS[name][0] for name, _ in sorted(KINDS.items(), key=lambda item: item[1]))
 KIND, CODES, SCALES, LAYOUT, TILES, GROUPS, COL, WIDTH = range(8)
 FIELDS = 8
 
@@ -157,16 +159,15 @@ def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
     halves = 2 if kind == Q8H or kind == Q8HM or kind == Q6H or kind == Q3H or kind == Q2HM else 1
     supers, per = vector_matmul.scale_shape(layout, halves, groups)
     sc = scales[sat:sat + tiles * supers * per].reshape((tiles, supers, per))
-    n = tiles * groups * vector_matmul.TILE  # (block, output row) pairs
+    n, pairs = tiles * groups * vector_matmul.TILE, PAIRS[kind]  # (block, output row) pairs; a block's code pairs
     if kind == Q4 or kind == Q4I:  # nibbles, in the uint8 buffer
-        qs = codes4[at:at + n * 16].reshape((tiles, groups, 8, vector_matmul.TILE, 2))
+        qs = codes4[at:at + n * 2 * pairs].reshape((tiles, groups, pairs, vector_matmul.TILE, 2))
         if kind == Q4:
             block_matmul.q4_linear(x, qs, sc, layout, y, room)
         else:
             block_matmul.q4i_linear(x, qs, sc, layout, y, room)
         return
     if kind == Q5 or kind == Q5M or kind == Q6H or kind == Q3H or kind == Q2HM:  # packed, in the uint8 buffer
-        pairs = 12 if kind == Q6H else 6 if kind == Q3H else 4 if kind == Q2HM else 10
         qs = codes4[at:at + n * 2 * pairs].reshape((tiles, groups, pairs, vector_matmul.TILE, 2))
         if kind == Q5:
             block_matmul.q5_linear(x, qs, sc, y, room)
@@ -179,7 +180,7 @@ def _part(kind, p, weights, x, y, room, sums):  # pragma: no cover - compiled
         else:
             block_matmul.q2hm_linear(x, qs, sc, y, room, sums)
         return
-    qs = codes8[at:at + n * 32].reshape((tiles, groups, 16, vector_matmul.TILE, 2))
+    qs = codes8[at:at + n * 2 * pairs].reshape((tiles, groups, pairs, vector_matmul.TILE, 2))
     if kind == Q8:
         block_matmul.q8_linear(x, qs, sc, layout, y, room)
     elif kind == Q8H:

@@ -125,8 +125,6 @@ def _round_blocks(typingctx, x, xq, dx, xs, groups):
     return sig, codegen
 
 
-
-
 @njit(cache=True, nogil=True)
 def half_sums(x, xs):  # pragma: no cover - compiled
     """xs [M, 2G] (a flat scratch's front, returned shaped): x's sums per 16 inputs, each added

@@ -137,7 +137,7 @@ def _parse(type_name: str, b: np.ndarray) -> tuple:
 
 
 # a kind's pairs of code bytes a block of 32, and their dtype (the kernels take q8's as int8)
-PAIRS = {"q4": 8, "q4i": 8, "q3h": 6, "q2hm": 4, "q8": 16, "q8h": 16, "q8hm": 16, "q5": 10, "q5m": 10, "q6h": 12}
+PAIRS = {kind: pairs for kind, (pairs, _, _) in vector_matmul.KINDS.items()}
 INT8_KINDS = ("q8", "q8h", "q8hm")
 
 
@@ -446,41 +446,41 @@ def compile_kernels() -> None:
     def scales(layout: int, halves: int = 1) -> np.ndarray:
         return np.zeros((1, *vm.scale_shape.py_func(layout, halves, SUPER)), np.uint8)
 
-    def codes(pairs: int, dtype=np.int8) -> np.ndarray:
-        return np.zeros((1, SUPER, pairs, TILE, 2), dtype)
+    def codes(kind: str, dtype=np.int8) -> np.ndarray:
+        return np.zeros((1, SUPER, PAIRS[kind], TILE, 2), dtype)
 
     per_block = np.zeros((1, SUPER), np.float32)
     rounding.round_rows_parallel(x, np.zeros(x.shape, np.int16), per_block, per_block)  # quantize's callee
     xq, dx, xs = rounding.quantize(x)
     for dtype in (np.uint8, np.int8):
-        vm.q4_matmul(xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
-        vm.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
+        vm.q4_matmul(xq, dx, xs, codes("q4", dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
+        vm.q8_matmul(xq, dx, codes("q8", dtype), scales(vm.F16), vm.F16, y)
     # the kinds below: one code type (int8, or the packed kinds' uint8), vectors only
-    vm.q4i_matmul(xq, dx, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y)
-    vm.q8h_matmul(xq, dx, codes(16), scales(vm.SUB, 2), y)
-    vm.q3h_matmul(xq, dx, codes(6, np.uint8), scales(vm.SUB, 2), y)
-    vm.q2hm_matmul(xq, dx, sums, codes(4, np.uint8), scales(vm.SUB_MIN, 2), y)
-    vm.q8hm_matmul(xq, dx, sums, codes(16), scales(vm.SUB_MIN, 2), y)
-    vm.q5_matmul(xq, dx, codes(10, np.uint8), scales(vm.F16), y)
-    vm.q5m_matmul(xq, dx, xs, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y)
-    vm.q6h_matmul(xq, dx, codes(12, np.uint8), scales(vm.SUB, 2), y)
+    vm.q4i_matmul(xq, dx, codes("q4i", np.uint8), scales(vm.SUB), vm.SUB, y)
+    vm.q8h_matmul(xq, dx, codes("q8h"), scales(vm.SUB, 2), y)
+    vm.q3h_matmul(xq, dx, codes("q3h", np.uint8), scales(vm.SUB, 2), y)
+    vm.q2hm_matmul(xq, dx, sums, codes("q2hm", np.uint8), scales(vm.SUB_MIN, 2), y)
+    vm.q8hm_matmul(xq, dx, sums, codes("q8hm"), scales(vm.SUB_MIN, 2), y)
+    vm.q5_matmul(xq, dx, codes("q5", np.uint8), scales(vm.F16), y)
+    vm.q5m_matmul(xq, dx, xs, codes("q5m", np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y)
+    vm.q6h_matmul(xq, dx, codes("q6h", np.uint8), scales(vm.SUB, 2), y)
     rounding.half_sums(x, sums.reshape(-1))
     if features.AMX:  # the tiles' kernels too, callees first: split, tile_matmul, then its wrappers
         amx_matmul.split(xq)
         for dtype in (np.uint8, np.int8):
-            amx_matmul.tile_matmul(True, vm.F16_MIN, xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), y)
-            amx_matmul.q4_matmul(xq, dx, xs, codes(8, dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
-            amx_matmul.q8_matmul(xq, dx, codes(16, dtype), scales(vm.F16), vm.F16, y)
-    block_matmul.q4_linear(x, codes(8, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
-    block_matmul.q8_linear(x, codes(16), scales(vm.F16), vm.F16, y, room)
-    block_matmul.q4i_linear(x, codes(8, np.uint8), scales(vm.SUB), vm.SUB, y, room)
-    block_matmul.q8h_linear(x, codes(16), scales(vm.SUB, 2), y, room)
-    block_matmul.q3h_linear(x, codes(6, np.uint8), scales(vm.SUB, 2), y, room)
-    block_matmul.q2hm_linear(x, codes(4, np.uint8), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
-    block_matmul.q8hm_linear(x, codes(16), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
-    block_matmul.q5_linear(x, codes(10, np.uint8), scales(vm.F16), y, room)
-    block_matmul.q5m_linear(x, codes(10, np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
-    block_matmul.q6h_linear(x, codes(12, np.uint8), scales(vm.SUB, 2), y, room)
+            amx_matmul.tile_matmul(True, vm.F16_MIN, xq, dx, xs, codes("q4", dtype), scales(vm.F16_MIN), y)
+            amx_matmul.q4_matmul(xq, dx, xs, codes("q4", dtype), scales(vm.F16_MIN), vm.F16_MIN, y)
+            amx_matmul.q8_matmul(xq, dx, codes("q8", dtype), scales(vm.F16), vm.F16, y)
+    block_matmul.q4_linear(x, codes("q4", np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
+    block_matmul.q8_linear(x, codes("q8"), scales(vm.F16), vm.F16, y, room)
+    block_matmul.q4i_linear(x, codes("q4i", np.uint8), scales(vm.SUB), vm.SUB, y, room)
+    block_matmul.q8h_linear(x, codes("q8h"), scales(vm.SUB, 2), y, room)
+    block_matmul.q3h_linear(x, codes("q3h", np.uint8), scales(vm.SUB, 2), y, room)
+    block_matmul.q2hm_linear(x, codes("q2hm", np.uint8), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
+    block_matmul.q8hm_linear(x, codes("q8hm"), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
+    block_matmul.q5_linear(x, codes("q5", np.uint8), scales(vm.F16), y, room)
+    block_matmul.q5m_linear(x, codes("q5m", np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
+    block_matmul.q6h_linear(x, codes("q6h", np.uint8), scales(vm.SUB, 2), y, room)
     _compiled = True
 
 
