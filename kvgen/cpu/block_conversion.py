@@ -201,7 +201,7 @@ def gather_codes(src, rows, first, out):  # pragma: no cover - compiled
 
 # the types the compiled loops above convert (FileBlocks), and how each's scales are held
 COMPILED_TYPES = {"Q4_K": "SUB_MIN", "Q5_K": "SUB_MIN", "Q6_K": "SUB", "IQ4_XS": "SUB", "Q3_K": "SUB",
-                  "Q2_K": "SUB_MIN", "Q5_0": "F16", "Q5_1": "F16_MIN"}
+                  "Q2_K": "SUB_MIN4", "Q5_0": "F16", "Q5_1": "F16_MIN"}
 # the types whose codes are the file's bytes as they are: (first byte of the codes in a block, fp16 d's, m's)
 AS_FILED = {"Q4_0": (2, 0, None), "Q4_1": (4, 0, 2), "Q8_0": (2, 0, None), "IQ4_NL": (2, 0, None)}
 

@@ -138,7 +138,7 @@ def _stage(stage, h, add, w, eps, x, positions, tables, kv, layer, cos, sin, hea
 # A weight's parts (decode step's `table`: every matrix part a row of int64 fields): its kind of
 # blocks (weight_blocks.BLOCK_TYPES; NONE ends a linear's list of parts), where its codes start in
 # the flat buffers of `weights` (the uint8 buffer for q4 and the packed kinds, the int8 one for the others) and its
-# scales in the byte buffer, their layout (vector_matmul's F16 .. SUB_MIN), its tiles of TILE output
+# scales in the byte buffer, their layout (vector_matmul's F16 .. SUB_MIN4), its tiles of TILE output
 # rows and blocks of 32 inputs, and the output columns it fills (a fused q|k|v whose v is another
 # kind: its parts side by side).
 NONE, Q4, Q8, Q8H, Q8HM, Q5, Q5M, Q6H, Q4I, Q3H, Q2HM = -1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9

@@ -38,17 +38,18 @@ broadcast:
     xq [M, K] int16;  dx, xs [M, G] float32 (xs [M, 2G] for q8hm: per 16 inputs);  y [M, N] float32
 
 The scales d, m are held as the file holds them, one flat byte array a weight, scales
-[N/TILE, S, bytes] uint8, in one of four layouts (`layout`, LAYOUTS says which a kind takes). Per
+[N/TILE, S, bytes] uint8, in one of five layouts (`layout`, LAYOUTS says which a kind takes). Per
 tile and per super-block s (S of them: a block of 32 for F16 / F16_MIN, SUPER blocks, 256 inputs,
-for SUB / SUB_MIN), the TILE rows':
+for SUB / SUB_MIN / SUB_MIN4), the TILE rows':
 
     F16      fp16 d [TILE]                        Q8_0, Q5_0, IQ4_NL; Q4_0 (m = -8 d, not held)
     F16_MIN  fp16 d [TILE], fp16 m [TILE]         Q4_1, Q5_1
     SUB      fp16 D [TILE], int8 a [SUPER, H, TILE]                              IQ4_XS, Q6_K, Q3_K
-    SUB_MIN  fp16 D [TILE], fp16 M [TILE], int8 a [SUPER, H, TILE], int8 b [SUPER, H, TILE]
-                                                                                  Q4_K, Q5_K, Q2_K
+    SUB_MIN  fp16 D [TILE], fp16 M [TILE], int8 a [SUPER, H, TILE], int8 b [SUPER, H, TILE]   Q4_K, Q5_K
+    SUB_MIN4 fp16 D [TILE], fp16 M [TILE], uint8 a | b << 4 [SUPER, H, TILE]                   Q2_K
 
-(H: 1 scale a block, 2 for q8h, q8hm, q6h.) For SUB and SUB_MIN, block j of the super-block has
+(H: 1 scale a block, 2 for q8h, q8hm, q6h, q3h, q2hm; SUB_MIN4's a and b are 4 bits, a byte holding both as
+Q2_K's own scale bytes do.) For SUB, SUB_MIN and SUB_MIN4, block j of the super-block has
 d = D a[j] and m = M b[j] (M: the file's -dmin): fp16 times int8 is at most 11 + 8 significant
 bits, exact in float32, so the kernels compute (`block_scales`: vcvtph2ps, vpmovsxbd, vcvtdq2ps, a
 multiply) the very float gguf-py's dequantize uses and weight_blocks held as a float32 per block
@@ -170,11 +171,12 @@ LOW_BITS = {"q3h": 2, "q2hm": 2}  # a packed kind's low plane's bits an input, w
 
 # How a weight's scales are held (the module docstring's layout): an fp16 d per block (F16), and an
 # fp16 m (F16_MIN); or an fp16 d per super-block of SUPER blocks times an int8 per block or half
-# (SUB), and the same for m (SUB_MIN). A kind with a minimum term and no m held is q4's Q4_0: m = -8 d.
-F16, F16_MIN, SUB, SUB_MIN = 0, 1, 2, 3
+# (SUB), and the same for m (SUB_MIN), or both as the nibbles of one byte (SUB_MIN4: Q2_K's 4-bit
+# scales and minimums, as the file holds them). A kind with a minimum term and no m held is q4's Q4_0: m = -8 d.
+F16, F16_MIN, SUB, SUB_MIN, SUB_MIN4 = 0, 1, 2, 3, 4
 SUPER = 8  # blocks of 32 in a K-quant's (and IQ4_XS's) super-block of 256 inputs
 # The layouts each kind has kernels for (weight_blocks.BLOCK_TYPES' types)
-LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q4i": (F16, SUB), "q3h": (SUB,), "q2hm": (SUB_MIN,), "q8": (F16, SUB),
+LAYOUTS = {"q4": (F16, F16_MIN, SUB_MIN), "q4i": (F16, SUB), "q3h": (SUB,), "q2hm": (SUB_MIN4,), "q8": (F16, SUB),
            "q8h": (SUB,), "q8hm": (SUB_MIN,), "q5": (F16,), "q5m": (F16_MIN, SUB_MIN), "q6h": (SUB,)}
 # The kinds whose codes are one nibble an input, 8 pairs of nibble bytes a block (as the first 8 pairs of
 # the packed kinds with a low plane of 4 bits)
@@ -184,10 +186,13 @@ NIBBLE_KINDS = ("q4", "q4i")
 def _scale_shape(layout, halves, groups):
     """(super-blocks, bytes a super-block holds for one tile) of a weight's scales: per tile and
     super-block (one block for F16 / F16_MIN), TILE fp16 d, TILE fp16 m where held, then for SUB /
-    SUB_MIN the int8 scales [block, half, TILE] and, where m is held, its int8s the same way."""
+    SUB_MIN the int8 scales [block, half, TILE] and, where m is held, its int8s the same way; for SUB_MIN4
+    one byte [block, half, TILE] holding both."""
     mins = 2 if layout == F16_MIN or layout == SUB_MIN else 1
     if layout == SUB or layout == SUB_MIN:
         return groups // SUPER, mins * (2 * TILE + SUPER * halves * TILE)
+    if layout == SUB_MIN4:
+        return groups // SUPER, 4 * TILE + SUPER * halves * TILE
     return groups, mins * 2 * TILE
 
 
@@ -201,8 +206,8 @@ def block_scales(builder, kind: str, layout: int, scales, at, g, lane: int) -> l
     sub-block's d = float(fp16) * float(int8): at most 11 + 8 significant bits, exact in float32, so
     the same float gguf-py's dequantize multiplies by (weight_blocks.py)."""
     _, halves, has_min = KINDS[kind]
-    held = layout in (F16_MIN, SUB_MIN)
-    sub = layout in (SUB, SUB_MIN)
+    held = layout in (F16_MIN, SUB_MIN, SUB_MIN4)
+    sub = layout in (SUB, SUB_MIN, SUB_MIN4)
     _, per = _scale_shape(layout, halves, SUPER)
     first = builder.add(at, builder.mul(builder.udiv(g, i64(SUPER)) if sub else g, i64(per)))
 
@@ -218,6 +223,14 @@ def block_scales(builder, kind: str, layout: int, scales, at, g, lane: int) -> l
         if sub:  # the block's (or half's) int8s after the fp16s: [block j, half, TILE]
             row = builder.mul(builder.urem(g, i64(SUPER)), i64(halves * TILE))
             ints = 2 * TILE * (2 if held else 1) + h * TILE + lane
+            if layout == SUB_MIN4:  # a in the byte's low nibble, b in its high one
+                both = load(SMALL, row, i64(ints))
+                a = builder.and_(both, vector(I8, [15] * LANES))
+                b = builder.lshr(both, vector(I8, [4] * LANES))
+                dh = builder.fmul(d, builder.sitofp(a, FLOATS))
+                mh = builder.fmul(m, builder.sitofp(b, FLOATS))
+                out.append((dh, mh))
+                continue
             dh = builder.fmul(d, builder.sitofp(load(SMALL, row, i64(ints)), FLOATS))
             if held:
                 mh = builder.fmul(m, builder.sitofp(load(SMALL, row, i64(ints + SUPER * halves * TILE)), FLOATS))
@@ -445,7 +458,7 @@ _q4_f16, _q4_f16_min, _q4_sub_min = (_rows_of("q4", layout) for layout in LAYOUT
 _q4i_f16, _q4i_sub = (_rows_of("q4i", layout) for layout in LAYOUTS["q4i"])
 _q8_f16, _q8_sub = (_rows_of("q8", layout) for layout in LAYOUTS["q8"])
 _q8h_sub, _q8hm_sub_min = _rows_of("q8h", SUB), _rows_of("q8hm", SUB_MIN)
-_q3h_sub, _q2hm_sub_min = _rows_of("q3h", SUB), _rows_of("q2hm", SUB_MIN)
+_q3h_sub, _q2hm_sub_min4 = _rows_of("q3h", SUB), _rows_of("q2hm", SUB_MIN4)
 _q5_f16, _q6h_sub = _rows_of("q5", F16), _rows_of("q6h", SUB)
 _q5m_f16_min, _q5m_sub_min = (_rows_of("q5m", layout) for layout in LAYOUTS["q5m"])
 
@@ -463,7 +476,7 @@ def check_shapes(xq, dx, qs, pairs, halves, scales, layout, y):  # pragma: no co
     if qs.shape[2] != pairs or qs.shape[3] != TILE or qs.shape[4] != 2 or xq.shape[1] != groups * 32 \
             or y.shape[1] < tiles * TILE or y.shape[0] != xq.shape[0] or dx.shape != (xq.shape[0], groups) \
             or scales.shape != (tiles, supers, per) \
-            or supers * (SUPER if layout == SUB or layout == SUB_MIN else 1) != groups \
+            or supers * (SUPER if layout == SUB or layout == SUB_MIN or layout == SUB_MIN4 else 1) != groups \
             or not (xq.flags.c_contiguous and dx.flags.c_contiguous and qs.flags.c_contiguous
                     and scales.flags.c_contiguous and y.flags.c_contiguous):
         raise ValueError("block matmul: mismatched shapes")
@@ -578,8 +591,8 @@ def q8h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def q8hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
-    """q8h with a minimum per 16 inputs too (Q2_K): layout SUB_MIN, xs [M, 2G] the sums of x per 16
-    inputs (half_sums)."""
+    """q8h with a minimum per 16 inputs too (Q2_K's integers as int8 codes: q2hm's reference): layout SUB_MIN,
+    xs [M, 2G] the sums of x per 16 inputs (half_sums)."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
     check_shapes(xq, dx, qs, 16, 2, scales, SUB_MIN, y)
@@ -614,11 +627,11 @@ def q3h_matmul(xq, dx, qs, scales, y):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def q2hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
-    """Q2_K: 2-bit codes packed (a plane of 2 bits), a scale and a minimum per 16 inputs (layout SUB_MIN; xs
-    [M, 2G] the sums of x per 16 inputs, half_sums): q8hm's outputs."""
+    """Q2_K: 2-bit codes packed (a plane of 2 bits), a 4-bit scale and minimum per 16 inputs (layout SUB_MIN4;
+    xs [M, 2G] the sums of x per 16 inputs, half_sums): q8hm's outputs over the same integers."""
     rows, k = xq.shape
     tiles, groups = qs.shape[0], qs.shape[1]
-    check_shapes(xq, dx, qs, 4, 2, scales, SUB_MIN, y)
+    check_shapes(xq, dx, qs, 4, 2, scales, SUB_MIN4, y)
     _check_sums(xs, dx, 2)
     codes, xf, dxf, xsf, sf, yf = qs.reshape(-1), xq.reshape(-1), dx.reshape(-1), xs.reshape(-1), \
         scales.reshape(-1), y.reshape(-1)
@@ -627,7 +640,7 @@ def q2hm_matmul(xq, dx, xs, qs, scales, y):  # pragma: no cover - compiled
     for part in prange(parts):
         for t in range(part * tiles // parts, (part + 1) * tiles // parts):
             for r0 in range(0, rows, ROWS_AT_ONCE):
-                _q2hm_sub_min(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
+                _q2hm_sub_min4(min(ROWS_AT_ONCE, rows - r0), codes, t * per_tile, groups, xf, r0 * k, k, dxf, xsf,
                               r0 * groups, sf, t * per_scales, yf, r0 * y.shape[1] + t * TILE, y.shape[1])
 
 

@@ -243,10 +243,12 @@ class WeightBlocks:
 
     @property
     def layout(self) -> int:
-        """How the scales are held: vector_matmul's F16, F16_MIN, SUB or SUB_MIN."""
+        """How the scales are held: vector_matmul's F16, F16_MIN, SUB, SUB_MIN or (q2hm's 4-bit ones) SUB_MIN4."""
         if self.ds is None:
             return vector_matmul.F16 if self.m is None else vector_matmul.F16_MIN
-        return vector_matmul.SUB if self.m is None else vector_matmul.SUB_MIN
+        if self.m is None:
+            return vector_matmul.SUB
+        return vector_matmul.SUB_MIN4 if self.kind == "q2hm" else vector_matmul.SUB_MIN
 
     def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(d, m) float32 per block [N, K/32], or per 16 inputs [N, K/32, 2] (q8h, q8hm, q6h): what the
@@ -320,11 +322,7 @@ class FileBlocks(WeightBlocks):
     def of(cls, type_name: str, b: np.ndarray, arena: WeightArena | None = None) -> FileBlocks:
         """b [N, S, block bytes]: the tensor's blocks (a view of the file, read when converted)."""
         kind, _, per = BLOCK_TYPES[type_name]
-        if type_name in AS_FILED:
-            layout = vector_matmul.F16 if AS_FILED[type_name][2] is None else vector_matmul.F16_MIN
-        else:
-            layout = getattr(vector_matmul, COMPILED_TYPES[type_name])
-        return cls(kind, layout, b.shape[1] * per, [(type_name, b, np.arange(b.shape[0]))], [], arena)
+        return cls(kind, _layout_of(type_name), b.shape[1] * per, [(type_name, b, np.arange(b.shape[0]))], [], arena)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -459,7 +457,7 @@ def compile_kernels() -> None:
     vm.q4i_matmul(xq, dx, codes("q4i", np.uint8), scales(vm.SUB), vm.SUB, y)
     vm.q8h_matmul(xq, dx, codes("q8h"), scales(vm.SUB, 2), y)
     vm.q3h_matmul(xq, dx, codes("q3h", np.uint8), scales(vm.SUB, 2), y)
-    vm.q2hm_matmul(xq, dx, sums, codes("q2hm", np.uint8), scales(vm.SUB_MIN, 2), y)
+    vm.q2hm_matmul(xq, dx, sums, codes("q2hm", np.uint8), scales(vm.SUB_MIN4, 2), y)
     vm.q8hm_matmul(xq, dx, sums, codes("q8hm"), scales(vm.SUB_MIN, 2), y)
     vm.q5_matmul(xq, dx, codes("q5", np.uint8), scales(vm.F16), y)
     vm.q5m_matmul(xq, dx, xs, codes("q5m", np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y)
@@ -476,7 +474,7 @@ def compile_kernels() -> None:
     block_matmul.q4i_linear(x, codes("q4i", np.uint8), scales(vm.SUB), vm.SUB, y, room)
     block_matmul.q8h_linear(x, codes("q8h"), scales(vm.SUB, 2), y, room)
     block_matmul.q3h_linear(x, codes("q3h", np.uint8), scales(vm.SUB, 2), y, room)
-    block_matmul.q2hm_linear(x, codes("q2hm", np.uint8), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
+    block_matmul.q2hm_linear(x, codes("q2hm", np.uint8), scales(vm.SUB_MIN4, 2), y, room, sums.reshape(-1))
     block_matmul.q8hm_linear(x, codes("q8hm"), scales(vm.SUB_MIN, 2), y, room, sums.reshape(-1))
     block_matmul.q5_linear(x, codes("q5", np.uint8), scales(vm.F16), y, room)
     block_matmul.q5m_linear(x, codes("q5m", np.uint8), scales(vm.F16_MIN), vm.F16_MIN, y, room)
@@ -489,28 +487,29 @@ _compiled = False  # compile_kernels has run in this process
 
 def tile_bytes_bound(type_name: str, n: int, k: int) -> int:
     """At most the bytes a BlockLinear's tiles of an [n, k] tensor of type_name take in a WeightArena: the
-    codes exactly, the scales at most a quarter of a byte an input (Q2_K's, the most, hold 0.14),
+    codes exactly, the scales at most a quarter of a byte an input (Q4_1's and Q5_1's, the most, hold 0.125),
     alignment included. A fused weight's tiles take no more than its parts' apart."""
     rows = -(-n // TILE) * TILE
     return rows * (k // GROUP * PAIRS[BLOCK_TYPES[type_name][0]] * 2 + k // 4) + 2 * ALIGN
 
 
+def _layout_of(type_name: str) -> int:
+    """The scale layout (vector_matmul's F16 .. SUB_MIN4) a GGUF type's blocks are held in."""
+    if type_name in AS_FILED:
+        return vector_matmul.F16 if AS_FILED[type_name][2] is None else vector_matmul.F16_MIN
+    return getattr(vector_matmul, COMPILED_TYPES[type_name])
+
+
 def _tile_scales_shape(type_name: str, n: int, k: int) -> tuple[int, int, int]:
     """The shape of _tile_scales' array for n rows of k inputs of type_name, from the shapes alone."""
-    groups = k // GROUP
-    if type_name in COMPILED_TYPES:
-        one_row = block_conversion.scale_arrays(type_name, 1, groups)  # one row's: no pages made
-        held = [a for a in one_row if a is not None]
-    else:
-        held = [np.empty((1, groups), np.uint16)] * (1 if AS_FILED[type_name][2] is None else 2)
-    supers = held[0].shape[1]
-    return -(-n // TILE), supers, TILE * sum(a.nbytes for a in held) // supers
+    halves = vector_matmul.KINDS[BLOCK_TYPES[type_name][0]][1]
+    return -(-n // TILE), *vector_matmul.scale_shape.py_func(_layout_of(type_name), halves, k // GROUP)
 
 
 def _tile_scales(blocks: WeightBlocks, pad: int, empty=np.empty) -> np.ndarray:
     """The blocks' scales as the kernels read them (vector_matmul._scale_shape): uint8 [N/TILE,
     super-blocks, bytes], per tile and super-block (or block) its TILE rows' fp16 d, fp16 m, then
-    the int8 sub-block scales [block, half, TILE] of d, then of m."""
+    the int8 sub-block scales [block, half, TILE] of d, then of m (SUB_MIN4: one byte, d's | m's << 4)."""
 
     def tiled(t: torch.Tensor) -> np.ndarray:  # [N, S, ...] -> [N/TILE, S, ..., TILE]
         a = t.numpy()  # numpy's copies: torch's run on its OpenMP pool, slow on a busy machine
@@ -519,7 +518,13 @@ def _tile_scales(blocks: WeightBlocks, pad: int, empty=np.empty) -> np.ndarray:
 
     supers = blocks.d.shape[1]
     parts = [tiled(t).view(np.uint8) for t in (blocks.d, blocks.m) if t is not None]  # [N/TILE, S, 2 TILE]
-    for t in (blocks.ds, blocks.ms):
+    subs = (blocks.ds, blocks.ms)
+    if blocks.layout == vector_matmul.SUB_MIN4:  # 4-bit scales and minimums, a byte holding both
+        if not (0 <= int(blocks.ds.min()) and int(blocks.ds.max()) < 16 and 0 <= int(blocks.ms.min())
+                and int(blocks.ms.max()) < 16):
+            raise ValueError("SUB_MIN4 holds scales and minimums of 4 bits")
+        subs = (blocks.ds.to(torch.uint8) | blocks.ms.to(torch.uint8) << 4, None)
+    for t in subs:
         if t is not None:  # [N, 8 S(, 2)] -> [N/TILE, 8 S(, 2), TILE] -> [N/TILE, S, 8 (2) TILE]
             t = tiled(t)
             parts.append(t.view(np.uint8).reshape(t.shape[0], supers, -1))

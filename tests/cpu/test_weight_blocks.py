@@ -103,12 +103,12 @@ def test_random_blocks_dequantize_as_gguf_py(qtype):
 
 # Bits a weight held (codes, then scales), per type: nibbles (IQ4's indices into its table), packed 2-, 3-, 5-
 # or 6-bit codes or int8 codes; an fp16 d (and m) per block of 32, or per super-block of 256 with an int8 per
-# block of 32 (per 16 for Q6_K, Q3_K, Q2_K) for d (and m): the file's own scales, its 6- and 4-bit ones a
-# byte each
+# block of 32 (per 16 for Q6_K, Q3_K, Q2_K) for d (and m): the file's own scales, its 6-bit ones a byte each,
+# Q2_K's 4-bit scale and minimum a byte together
 HELD_BITS = {"Q4_0": 4 + 16 / 32, "Q4_1": 4 + 32 / 32, "Q4_K": 4 + 32 / 256 + 16 / 32,
              "Q8_0": 8 + 16 / 32, "Q5_0": 5 + 16 / 32, "IQ4_NL": 4 + 16 / 32, "IQ4_XS": 4 + 16 / 256 + 8 / 32,
              "Q5_1": 5 + 32 / 32, "Q5_K": 5 + 32 / 256 + 16 / 32,
-             "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 3 + 16 / 256 + 8 / 16, "Q2_K": 2 + 32 / 256 + 16 / 16}
+             "Q6_K": 6 + 16 / 256 + 8 / 16, "Q3_K": 3 + 16 / 256 + 8 / 16, "Q2_K": 2 + 32 / 256 + 8 / 16}
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
@@ -116,8 +116,8 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
     """A BlockLinear holds its codes and its scales' bytes and nothing else, HELD_BITS a weight:
     the scales as the file holds them (fp16, int8), not a float32 per block; the codes at the file's
     bits, so every type within an eighth of a bit of its file (Q4_K 4.625 against 4.5, Q5_K 5.625
-    against 5.5, Q3_K 3.5625 against 3.4375; Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, IQ4_NL and IQ4_XS at it)
-    but Q2_K: its 4-bit scales and minimums per 16 inputs held as int8s, 3.125 against 2.625."""
+    against 5.5, Q3_K 3.5625 against 3.4375; Q4_0, Q4_1, Q5_0, Q5_1, Q6_K, Q2_K, IQ4_NL and IQ4_XS at it:
+    Q2_K's 4-bit scale and minimum per 16 inputs a byte, as the file holds them)."""
     n, k = 64, width(qtype, 1024)
     blocks = WeightBlocks.from_gguf(qtype.name, random_blocks(qtype, n, k))
     assert blocks.d.dtype == torch.float16 and (blocks.m is None or blocks.m.dtype == torch.float16)
@@ -128,7 +128,7 @@ def test_blocks_hold_the_files_scales_not_floats(qtype):
     bits = 8 * sum(a.nbytes for a in held) / (n * k)
     assert bits == HELD_BITS[qtype.name]
     per, size = gguf.GGML_QUANT_SIZES[qtype]
-    assert bits <= 8 * size / per + (1 / 2 if qtype.name == "Q2_K" else 1 / 8)
+    assert bits <= 8 * size / per + 1 / 8
 
 
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
