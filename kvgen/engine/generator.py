@@ -23,7 +23,7 @@ from kvgen.cpu import features
 from kvgen.cpu.threads import in_fresh_thread
 from kvgen.cpu.weight_arena import StaleArena
 from kvgen.cpu.weight_blocks import BLOCK_TYPES
-from kvgen.engine import float_weights, mamba2_files, model_files, tile_cache, weight_memory
+from kvgen.engine import float_weights, heap, mamba2_files, model_files, tile_cache, weight_memory
 from kvgen.engine.bridge import Bridge
 from kvgen.engine.constraint import Grammars
 from kvgen.engine.engine import Engine
@@ -84,6 +84,7 @@ def _load_model(path: str, weight_dtype: str, device: str, tile_cache_dir: str =
     for t in sorted(set(cfg.tensor_types) & set(float_weights.CONVERTED) if kernel_path(model) else ()):
         b = float_weights.CONVERTED[t]  # the route float_weights.py chose for bf16 / fp16 matrices
         log.info("%s matrices run as %s blocks made at load, on the %s kernels", t, b, BLOCK_TYPES[b][0])
+    heap.release_free_pages()  # the load's dropped buffers, which glibc would keep resident (heap.py)
     return model, tokenizer
 
 
@@ -246,6 +247,7 @@ class Generator:
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask
         self.bridge = Bridge()
         self.engine.start()
+        heap.release_free_pages()  # what building the pool and the step dropped (heap.py)
 
     @classmethod
     def load(cls, model_path: str | None = None, options: EngineOptions | None = None) -> Generator:
