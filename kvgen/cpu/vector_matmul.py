@@ -223,8 +223,8 @@ def block_scales(builder, kind: str, layout: int, scales, at, g, lane: int) -> l
         if sub:  # the block's (or half's) int8s after the fp16s: [block j, half, TILE]
             row = builder.mul(builder.urem(g, i64(SUPER)), i64(halves * TILE))
             ints = 2 * TILE * (2 if held else 1) + h * TILE + lane
-            if layout == SUB_MIN4:  # a in the byte's low nibble, b in its high one (split as int32s: AVX2 has
-                both = builder.zext(load(SMALL, row, i64(ints)), INTS)  # no byte shifts)
+            if layout == SUB_MIN4:  # a in the byte's low nibble, b in its high one
+                both = builder.zext(load(SMALL, row, i64(ints)), INTS)  # split as int32s: AVX2 has no byte shifts
                 a = builder.and_(both, vector(I32, [15] * LANES))
                 b = builder.lshr(both, vector(I32, [4] * LANES))
                 dh = builder.fmul(d, builder.sitofp(a, FLOATS))
