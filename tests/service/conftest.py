@@ -12,7 +12,7 @@ import pytest
 from kvgen.engine.generator import EngineOptions, Generator
 from kvgen.engine.model import Model
 from kvgen.engine.tokenizer import TextTokenizer
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, stop_all
 from tests.tiny import CHATML_TEMPLATE, tiny_bpe_tokenizer, tiny_config, tiny_weights
 
 from .certs import make_pki
@@ -42,8 +42,7 @@ def start_server(tiny_pair):
         return s
 
     yield start
-    for s in started:
-        s.stop()
+    stop_all(started)
 
 
 LORA_ADAPTER = "tiny-lora"
