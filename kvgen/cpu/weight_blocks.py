@@ -248,7 +248,9 @@ class WeightBlocks:
             return vector_matmul.F16 if self.m is None else vector_matmul.F16_MIN
         if self.m is None:
             return vector_matmul.SUB
-        return vector_matmul.SUB_MIN4 if self.kind == "q2hm" else vector_matmul.SUB_MIN
+        # a minimum per sub-block: the kind's one such layout (LAYOUTS: q2hm's 4-bit ones SUB_MIN4, else SUB_MIN)
+        with_mins = (vector_matmul.SUB_MIN, vector_matmul.SUB_MIN4)
+        return next(lay for lay in vector_matmul.LAYOUTS[self.kind] if lay in with_mins)
 
     def block_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(d, m) float32 per block [N, K/32], or per 16 inputs [N, K/32, 2] (q8h, q8hm, q6h): what the

@@ -84,7 +84,6 @@ def _load_model(path: str, weight_dtype: str, device: str, tile_cache_dir: str =
     for t in sorted(set(cfg.tensor_types) & set(float_weights.CONVERTED) if kernel_path(model) else ()):
         b = float_weights.CONVERTED[t]  # the route float_weights.py chose for bf16 / fp16 matrices
         log.info("%s matrices run as %s blocks made at load, on the %s kernels", t, b, BLOCK_TYPES[b][0])
-    heap.release_free_pages()  # the load's dropped buffers, which glibc would keep resident (heap.py)
     return model, tokenizer
 
 
@@ -247,7 +246,7 @@ class Generator:
         self._sessions_lock = threading.Lock()  # the bridge and the server loop may both ask
         self.bridge = Bridge()
         self.engine.start()
-        heap.release_free_pages()  # what building the pool and the step dropped (heap.py)
+        heap.release_free_pages()  # what loading the model and building the pool and step dropped (heap.py)
 
     @classmethod
     def load(cls, model_path: str | None = None, options: EngineOptions | None = None) -> Generator:
