@@ -28,7 +28,7 @@ from kvgen.service.server import Server
 from kvgen.service.settings import Settings
 from kvgen.v1 import generate_pb2_grpc as pb_grpc
 
-REAL_MODEL = {"embedded", "gen", "make_gen", "server", "stub", "hf_model"}
+REAL_MODEL = {"embedded", "embedded_fp32", "gen", "make_gen", "server", "stub", "hf_model"}
 HEAVY_FILES = {
     "tests/engine/test_lora.py": "writes PEFT adapters, runs transformers + PEFT as the oracle (~2 min)",
     "tests/service/test_lora.py": "writes PEFT adapters for a server's tiny model",
@@ -132,7 +132,16 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def embedded():
-    """(model, tokenizer) of the embedded SmolLM2 GGUF, fp32."""
+    """(model, tokenizer) of the embedded SmolLM2 GGUF as `make serve` runs it: WEIGHT_DTYPE auto, the
+    file's own blocks on the CPU kernels, one-sequence decode steps fused (decode_step.py). The engine's
+    and the service's suites run over it: what a user runs, and ~3x faster than fp32 copies."""
+    return load_model(embedded_model_path())
+
+
+@pytest.fixture(scope="session")
+def embedded_fp32():
+    """The same file dequantized to fp32 (WEIGHT_DTYPE=fp32, Model.forward in torch): for what only fp32
+    weights show, logits equal to transformers' to float rounding."""
     return load_model(embedded_model_path(), "fp32")
 
 

@@ -23,7 +23,6 @@ import pytest
 
 from kvgen.engine.generator import EngineOptions, Generator, load_model
 from kvgen.engine.model import Model
-from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.request import Request
 from kvgen.engine.sampling import SamplingParams
 from kvgen.engine.tokenizer import TextTokenizer
@@ -80,9 +79,9 @@ def engine(request, tmp_path_factory):
     elif request.param == "small-gguf":
         pair = small_gguf_model(tmp_path_factory.mktemp("invariance") / "small.gguf")
     elif request.param == "embedded":
-        pair = request.getfixturevalue("embedded")
+        pair = request.getfixturevalue("embedded_fp32")
     else:
-        pair = load_model(embedded_model_path())
+        pair = request.getfixturevalue("embedded")  # the default: the file's blocks
     assert pair[0].weight_dtype == ("gguf" if request.param.endswith("gguf") else "fp32")
     g = Generator(*pair, EngineOptions())
     if request.param.endswith("gguf"):  # decode rows run fused, prompt chunks through the kernels

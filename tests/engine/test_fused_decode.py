@@ -1,4 +1,5 @@
-"""FusedDecode (one-sequence decode steps as one Numba call) against Model.forward and transformers."""
+"""FusedDecode (one-sequence decode steps as one Numba call) against Model.forward (and, on the default
+weights of the embedded model, transformers: tests/engine/test_oracle.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from kvgen.engine.kv.pool import BlockPool
 from kvgen.engine.model_runner import ModelRunner
 from kvgen.engine.sampling import SamplingParams
 from tests.engine.test_model_files import bpe, gguf_base  # noqa: F401  (fixtures)
-from tests.engine.test_oracle import RAW, hf_greedy
 from tests.tiny import write_gguf
 
 # more rows than a kernel call takes at once (vector_matmul.ROWS_AT_ONCE), and not a multiple of it
@@ -177,21 +177,6 @@ def test_why_not_names_the_first_reason_a_model_does_not_take_the_step(q4_model)
     assert "weights fp32" in FusedDecode.why_not(other, fmt)
     q3 = make_format("q3", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)
     assert not FusedDecode.supports(m, q3) and "KV format q3" in FusedDecode.why_not(m, q3)
-
-
-def test_default_weights_decode_like_transformers(hf_model):
-    """The default (auto: the GGUF's blocks, one-sequence steps fused) on the embedded model:
-    greedy continuations equal transformers fp32 on the same GGUF, token for token."""
-    hf, _ = hf_model
-    gen = Generator.load(None, EngineOptions())
-    try:
-        assert gen.model.weight_dtype == "gguf" and gen.engine.runner.fused is not None
-        for prompt in RAW:
-            ids = gen.tokenize(prompt)
-            got = gen.generate(ids, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)).token_ids
-            assert got == hf_greedy(hf, ids, 32), prompt
-    finally:
-        gen.close()
 
 
 def test_drafts_are_verified_in_the_fused_step(q4_model, bpe):  # noqa: F811

@@ -1,4 +1,6 @@
-"""Our forward pass against transformers' own loading of the same GGUF (fp32)."""
+"""Our forward pass and engine against transformers' own loading of the same GGUF (fp32): the logits of
+fp32 weights to float rounding, those of the file's blocks (the default) to their int16 activations'
+rounding, and the default engine's greedy continuations token for token."""
 
 from __future__ import annotations
 
@@ -43,9 +45,16 @@ def run_chunks(model, ids: list[int], chunks: list[int]) -> list[torch.Tensor]:
     return out
 
 
+# max |logit difference| to transformers, by weights: fp32 copies differ by float rounding only; the file's
+# blocks multiply activations rounded to int16 per block (cpu/int16_rounding.py), which moved logits of
+# this model by up to 1.2e-2 (a wrong weight, cache slot or rotation moves them by whole units)
+LOGIT_TOLERANCE = {"embedded_fp32": 2e-3, "embedded": 3e-2}
+
+
+@pytest.mark.parametrize("weights", sorted(LOGIT_TOLERANCE))
 @pytest.mark.parametrize("prompt", RAW[:3])
-def test_logits_match_transformers(embedded, hf_model, prompt):
-    model, tok = embedded
+def test_logits_match_transformers(weights, hf_model, prompt, request):
+    model, tok = request.getfixturevalue(weights)
     hf, _ = hf_model
     ids = tok.encode(prompt + " and then some more words follow here, enough to cross a block")
     with torch.no_grad():
@@ -56,7 +65,7 @@ def test_logits_match_transformers(embedded, hf_model, prompt):
     ends = torch.tensor(chunks).cumsum(0) - 1
     for logits, end in zip(ours, ends.tolist(), strict=True):
         err = (logits - ref[end]).abs().max().item()
-        assert err < 2e-3, f"position {end}: max |logit diff| {err}"
+        assert err < LOGIT_TOLERANCE[weights], f"position {end}: max |logit diff| {err}"
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -67,7 +76,10 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 def test_greedy_continuations_equal_transformers(gen, hf_model):
+    """The default engine (the file's blocks, decode rows in the fused step) against transformers' fp32
+    greedy decoding of the same file, token for token, prompts and chats together in one batch."""
     hf, _ = hf_model
+    assert gen.model.weight_dtype == "gguf" and gen.engine.runner.fused is not None
     prompts = [gen.tokenize(p) for p in RAW] + [gen.tokenize(c) for c in CHATS]
     results = gen.batch_generate(prompts, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
     for ids, r in zip(prompts, results, strict=True):

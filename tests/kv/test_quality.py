@@ -1,4 +1,5 @@
-"""Each KV storage format keeps the embedded model's perplexity within issue 4's bounds of fp32.
+"""Each KV storage format keeps the embedded model's perplexity (the model as served: the file's blocks)
+within issue 4's bounds of the fp32 cache's.
 
 A short version of bench/kv.py (same evaluation functions): the first TOKENS tokens of the
 bench text, teacher-forced in 16-token chunks so attention reads the quantized cache, and
@@ -58,13 +59,14 @@ def test_generator_fits_q3_codebooks_at_start_up(make_gen):
     assert len(out.token_ids) == 4
 
 
-def test_key_equalisation_leaves_attention_unchanged(embedded):
+def test_key_equalisation_leaves_attention_unchanged(embedded_fp32):
     """qk_scale multiplies queries and divides keys by the same per-channel scale: over an exact
-    cache the logits are those of the unscaled model (up to float rounding)."""
+    cache the logits are those of the unscaled model (up to float rounding: fp32 weights, where the
+    file's blocks would round each activation to int16 and turn an ulp into a rounding step)."""
     from kvgen.engine.kv.formats import make_format
     from kvgen.engine.kv_samples import calibrate_format
 
-    model, tok = embedded
+    model, tok = embedded_fp32
     cfg = model.cfg
     ids = tok.encode(EVAL_TEXT)[:64]
     plain = make_format("fp32", cfg.num_layers, 16, cfg.num_kv_heads, cfg.head_dim)

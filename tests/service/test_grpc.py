@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kvgen.client import request
+from kvgen.cpu import features
 from kvgen.engine.model_files import embedded_model_path
 from kvgen.v1 import generate_pb2 as pb
 
@@ -171,15 +172,20 @@ def test_model_info(stub):
     assert info.vocab_size == 49152 and info.context_length == 8192
     assert info.has_chat_template and list(info.eos_token_ids) == [2]
     assert info.kv_dtype == "fp32" and info.kv_blocks_total > 0
-    assert info.weight_dtype == "fp32" and info.cpu_kernels == ""  # no block kernels run fp32 weights
-    # the file's quant mixture, as gguf-py reads it, and how each type runs here (fp32: all as floats)
+    # the default (WEIGHT_DTYPE auto): the file's blocks on the block kernels built for this CPU
+    assert info.weight_dtype == "gguf" and info.cpu_kernels == features.path()
+    assert info.decode_path == "fused" and info.decode_path_reason == ""
+    # the file's quant mixture, as gguf-py reads it, and how each type runs here
     path = embedded_model_path()
     mixture = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
-    assert dict(info.tensor_types) == mixture and "Q4_1" in mixture
-    assert dict(info.type_kernels) == {t: "fp32" for t in mixture}
+    assert dict(info.tensor_types) == mixture == {"Q4_1": 210, "Q8_0": 1, "F32": 61}
+    assert dict(info.type_kernels) == {"Q4_1": "q4", "Q8_0": "q8", "F32": "fp32"}
     assert info.file_bytes == os.path.getsize(path)
-    params = 30 * (576 * (576 + 2 * 192 + 576) + 3 * 576 * 1536) + 49152 * 576  # q|k|v, o, MLP; embedding
-    assert 4 * params <= info.weight_bytes < 4 * params * 1.01  # fp32, the tied embedding held once
+    # held at the file's bits: Q4_1's 20 bytes and Q8_0's 34 per 32 weights, the norms as fp32; the tied
+    # embedding twice, as the file's rows (mapped: a lookup reads a row) and as the head's tiles
+    matrices = 30 * (576 * (576 + 2 * 192 + 576) + 3 * 576 * 1536)  # q|k|v, o, MLP
+    norms = (2 * 30 + 1) * 576
+    assert info.weight_bytes == matrices * 20 // 32 + 2 * (49152 * 576 * 34 // 32) + 4 * norms
 
 
 def test_health_serving(server):

@@ -17,7 +17,6 @@ import pytest
 
 from kvgen.client import Client
 from kvgen.engine.generator import Generator, load_model
-from kvgen.engine.model_files import embedded_model_path
 from kvgen.engine.options import EngineOptions
 from tests.conftest import ServerThread
 from tests.tiny import smollm2_hf_tokenizer, write_family_folder
@@ -53,8 +52,8 @@ def test_gemma2_says_its_windows_caps_and_torch_path(gemma2_folder):
     assert "soft-capping at 1.5" in info.decode_path_reason
 
 
-def test_the_embedded_llama_says_which_decode_path_and_why(embedded, caplog):
-    blocks = load_model(embedded_model_path(), "auto")  # the GGUF's own blocks: what the fused step multiplies
+def test_the_embedded_llama_says_which_decode_path_and_why(embedded, embedded_fp32, caplog):
+    blocks = embedded  # the GGUF's own blocks (the default): what the fused step multiplies
     with caplog.at_level(logging.INFO, logger="kvgen"):
         info = _info(Generator(*blocks, EngineOptions()))
     assert "decode steps run the fused step" in caplog.text  # the start log says the path, as GetModelInfo
@@ -65,5 +64,5 @@ def test_the_embedded_llama_says_which_decode_path_and_why(embedded, caplog):
     windowed = _info(Generator(*blocks, EngineOptions(attention_window=16)))
     assert windowed.layer_windows == (16,) * info.num_layers
     assert windowed.decode_path == "torch" and windowed.decode_path_reason.startswith("attention window 16")
-    fp32 = _info(Generator(*embedded, EngineOptions()))  # conftest's: WEIGHT_DTYPE fp32
+    fp32 = _info(Generator(*embedded_fp32, EngineOptions()))  # WEIGHT_DTYPE=fp32
     assert fp32.decode_path == "torch" and fp32.decode_path_reason.startswith("weights fp32")
