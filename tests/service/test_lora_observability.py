@@ -69,8 +69,15 @@ def _finished(srv, adapter: str, want: float | None = None, timeout: float = 10)
 
 
 def _request_tree(srv, trace_id: str, requests: int):
-    """The trace's spans once every request's decode span has ended: {request span: its phase spans}."""
-    spans = spans_of(srv.memory, trace_id, lambda s: len(named(s, "kvgen.decode")) == requests)
+    """The trace's spans once every request's decode span and the spans its phases hang from have ended
+    (an HTTP stream's server span ends after its last chunk left, which the client may read first):
+    {request span: its phase spans}."""
+    def done(spans) -> bool:
+        ended = {s.context.span_id for s in spans}
+        return (len(named(spans, "kvgen.decode")) == requests
+                and all(s.parent.span_id in ended for s in spans if s.name in PHASES))
+
+    spans = spans_of(srv.memory, trace_id, done)
     phases = [s for s in spans if s.name in PHASES]
     parents = {s.parent.span_id for s in phases}
     return {s: [p for p in phases if p.parent.span_id == s.context.span_id]
