@@ -220,10 +220,10 @@ _GGUF_NAMES = {"input_layernorm.weight": "attn_norm.weight",
 
 def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokenizer, qtype=None,
                chat_template: str | None = CHATML_TEMPLATE, arch: str | None = None,
-               types: dict | None = None) -> None:
-    """A GGUF as llama.cpp's converter writes one: metadata, gpt2 tokenizer, permuted q/k (llama),
-    2-D weights in `qtype` (default F32) or the type `types` gives their HF name (a mixture, as
-    llama-quantize writes), 1-D tensors in F32."""
+               types: dict | None = None, pre: str = "gpt-2") -> None:
+    """A GGUF as llama.cpp's converter writes one: metadata, gpt2 tokenizer (its pre-tokenizer `pre`:
+    GPT-2's split, tiny_bpe_tokenizer's), permuted q/k (llama), 2-D weights in `qtype` (default F32) or
+    the type `types` gives their HF name (a mixture, as llama-quantize writes), 1-D tensors in F32."""
 
     import gguf
     import numpy as np
@@ -249,7 +249,7 @@ def write_gguf(path, cfg: ModelConfig, weights: dict[str, torch.Tensor], tokeniz
     special = {t["id"] for t in tj["added_tokens"] if t["special"]}
     merges = [m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
+    w.add_tokenizer_pre(pre)
     w.add_token_list(tokens)
     w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
                        for i in range(len(tokens))])

@@ -1,10 +1,10 @@
 """Tokenizer from GGUF metadata or tokenizer.json, plus the chat template.
 
 A GGUF holds one of two vocabularies (`tokenizer.ggml.model`):
-- "gpt2", byte-level BPE (Llama 3, Qwen, SmolLM, Phi-4): the pre-tokenizer follows the model's
-  `tokenizer.ggml.pre`, as llama.cpp does: SmolLM ("smollm") isolates every digit before the GPT-2
-  split, which transformers' GGUF converter leaves out (so the two differ on multi-digit numbers;
-  ours is the model's).
+- "gpt2", byte-level BPE (Llama 3, Qwen, SmolLM, Mistral Nemo, Phi-4): the pre-tokenizer follows the
+  model's `tokenizer.ggml.pre`, as llama.cpp does (pre_tokenizers.py): SmolLM ("smollm") isolates every
+  digit before the GPT-2 split, which transformers' GGUF converter leaves out (so the two differ on
+  multi-digit numbers; ours is the model's).
 - "llama", sentencepiece (Llama 2, Mistral 7B, Phi-3, Gemma): pieces with scores, spaces written
   as U+2581, bytes outside the pieces as <0xXX> tokens. llama.cpp merges the adjacent pair whose
   joined piece scores highest, again and again; BPE over every (left, right) split of every piece,
@@ -21,19 +21,14 @@ from pathlib import Path
 
 import jinja2
 import jinja2.sandbox
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+from tokenizers import pre_tokenizers as hf_pre_tokenizers
+
+from kvgen.engine import pre_tokenizers
 
 # GGUF token types (gguf.TokenType)
 _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
 _SPACE = "\u2581"  # sentencepiece's space
-
-_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
-_DIGIT_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-                r"|\s*[\r\n]+|\s+(?!\S)|\s+")
-
 
 def _sentencepiece_merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
     """Every split of every normal piece into two pieces, best joined score first (sentencepiece's
@@ -64,27 +59,14 @@ def _sentencepiece(field, tokens: list[str], types: list[int]) -> Tokenizer:
     return tok
 
 
-def _byte_level_bpe(field, tokens: list[str]) -> Tokenizer:
-    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: pre_tokenizers.PreTokenizer) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = _pre_tokenizer(field("tokenizer.ggml.pre", "default"))
+    tok = Tokenizer(models.BPE(vocab, [tuple(m.split(" ", 1)) for m in merges], fuse_unk=False, byte_fallback=False,
+                               ignore_merges=pre.ignore_merges))
+    tok.pre_tokenizer = hf_pre_tokenizers.Sequence(
+        [*pre_tokenizers.splits(pre), hf_pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     return tok
-
-
-def _pre_tokenizer(pre: str):
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in _DIGIT_FIRST:
-        splits = [pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"),
-                  pre_tokenizers.Split(Regex(_GPT2_SPLIT), "isolated")]
-    elif pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        splits = [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), "isolated")]
-    elif pre in ("qwen2", "deepseek-llm"):
-        splits = [pre_tokenizers.Split(Regex(_QWEN2_SPLIT), "isolated")]
-    else:  # "gpt2", "default" and anything unknown: the GPT-2 split
-        splits = [pre_tokenizers.Split(Regex(_GPT2_SPLIT), "isolated")]
-    return pre_tokenizers.Sequence([*splits, byte_level])
 
 
 class TextTokenizer:
@@ -118,13 +100,16 @@ class TextTokenizer:
                              "sentencepiece 'llama' only)")
         tokens = field("tokenizer.ggml.tokens")
         types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-        tok = _byte_level_bpe(field, tokens) if model == "gpt2" else _sentencepiece(field, tokens, types)
+        pre = pre_tokenizers.of(field("tokenizer.ggml.pre")) if model == "gpt2" else None
+        tok = (_byte_level_bpe(tokens, field("tokenizer.ggml.merges"), pre) if pre
+               else _sentencepiece(field, tokens, types))
         special = [i for i, ty in enumerate(types) if ty in (_CONTROL, _USER_DEFINED)]
         tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False) for i in special])
         bos = field("tokenizer.ggml.bos_token_id")
         eos = field("tokenizer.ggml.eos_token_id")
-        # a sentencepiece file that does not say gets BOS, as llama.cpp gives it
-        add_bos = field("tokenizer.ggml.add_bos_token", model == "llama")
+        # a file that does not say gets BOS where llama.cpp gives it one: sentencepiece, and the BPE
+        # pre-tokenizers it adds BOS for (Llama 3's, Tekken's)
+        add_bos = field("tokenizer.ggml.add_bos_token", pre.add_bos if pre else True)
         return cls(tok, field("tokenizer.chat_template"), bos, bool(add_bos),
                    set(special), tokens[eos] if eos is not None else "")
 
