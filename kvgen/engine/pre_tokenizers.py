@@ -25,7 +25,7 @@ QWEN2 = _CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\
 
 
 def _cased_words(suffix: str) -> str:
-    """Words cut where a lower-case run ends (Tekken's and o200k's "HTTPServer" -> "HTTP", "Server")."""
+    """A word's capitals, then its lower case: Tekken's and o200k's words ("camelCase" -> "camel", "Case")."""
     upper, lower, lead = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]", r"[^\r\n\p{L}\p{N}]?"
     return f"{lead}{upper}*{lower}+{suffix}|{lead}{upper}+{lower}*{suffix}"
 
@@ -69,7 +69,7 @@ _KINDS = {
 
 # tokenizer.ggml.pre -> its kind, as llama-vocab.cpp's llama_vocab::impl::load groups the names
 NAMES = {
-    **dict.fromkeys(["default"], "default"),
+    "default": "default",
     **dict.fromkeys(["gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4", "gigachat",
                      "a.x-4.0", "mellum", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "modern-bert"], "gpt2"),
     **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"],
