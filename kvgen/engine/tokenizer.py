@@ -16,15 +16,13 @@ A GGUF holds one of two vocabularies (`tokenizer.ggml.model`):
 from __future__ import annotations
 
 import json
-from datetime import datetime
 from pathlib import Path
 
-import jinja2
-import jinja2.sandbox
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers as hf_pre_tokenizers
 
 from kvgen.engine import pre_tokenizers
+from kvgen.engine.chat_template import compile_template
 
 # GGUF token types (gguf.TokenType)
 _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
@@ -83,10 +81,7 @@ class TextTokenizer:
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
         if chat_template:
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-            self._template = env.from_string(chat_template)
+            self._template = compile_template(chat_template)
 
     @classmethod
     def from_gguf(cls, reader) -> TextTokenizer:
@@ -153,10 +148,6 @@ class TextTokenizer:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template writes BOS itself when the model wants it.
         return self.encode(self.apply_chat_template(messages), add_bos=False)
-
-
-def _raise(msg):
-    raise jinja2.exceptions.TemplateError(msg)
 
 
 class Detokenizer:

@@ -1,0 +1,56 @@
+"""A chat template renders as transformers renders it (its apply_chat_template on the same template and
+messages), for what templates on the Hub use beyond plain jinja2: `{% break %}` / `{% continue %}`,
+`{% generation %}` blocks, tojson (JSON as json.dumps writes it: jinja2's own escapes HTML characters),
+namespace(), raise_exception."""
+
+from __future__ import annotations
+
+import jinja2
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from kvgen.engine.tokenizer import TextTokenizer
+from tests.tiny import tiny_bpe_tokenizer
+
+TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'system' -%}{%- set ns.system = m['content'] -%}{%- continue -%}{%- endif -%}"
+    "{%- if m['content'] == 'STOP' -%}{%- break -%}{%- endif -%}"
+    "<|{{ m['role'] }}|>{{ ns.system }}"
+    "{%- if m['role'] == 'assistant' -%}{% generation %}{{ m['content'] }}{% endgeneration %}"
+    "{%- else -%}{{ m['content'] }} {{ m | tojson }} {{ m['meta'] | default({}) | tojson(indent=2) }}{%- endif -%}"
+    "{{ eos_token }}\n"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+    "{%- if messages | length > 6 -%}{{ raise_exception('too many messages') }}{%- endif -%}")
+
+CHATS = [
+    [{"role": "user", "content": "hi"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "<b>tags</b> & 'quotes' café 日本"},
+     {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again", "meta": {"k": ["é", 1]}}],
+    [{"role": "user", "content": "first"}, {"role": "user", "content": "STOP"}, {"role": "user", "content": "never"}],
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    tok = tiny_bpe_tokenizer(300)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>")
+    hf.chat_template = TEMPLATE
+    ours = TextTokenizer(tok, TEMPLATE, tok.token_to_id("<|endoftext|>"), False, set(), eos_token="<|im_end|>")
+    return ours, hf
+
+
+@pytest.mark.parametrize("chat", CHATS, ids=["plain", "json", "break"])
+def test_templates_render_as_transformers_renders_them(pair, chat):
+    ours, hf = pair
+    for prompt in (True, False):
+        want = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+        assert ours.apply_chat_template(chat, add_generation_prompt=prompt) == want
+
+
+def test_a_template_that_raises_says_why(pair):
+    ours, _ = pair
+    with pytest.raises(jinja2.exceptions.TemplateError, match="too many messages"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}] * 7)
