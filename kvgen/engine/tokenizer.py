@@ -16,13 +16,17 @@ A GGUF holds one of two vocabularies (`tokenizer.ggml.model`):
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
+import jinja2
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 from tokenizers import pre_tokenizers as hf_pre_tokenizers
 
 from kvgen.engine import pre_tokenizers
 from kvgen.engine.chat_template import compile_template
+
+log = logging.getLogger("kvgen.engine")
 
 # GGUF token types (gguf.TokenType)
 _UNKNOWN, _CONTROL, _USER_DEFINED, _BYTE = 2, 3, 4, 6
@@ -80,8 +84,13 @@ class TextTokenizer:
         self.special_ids = special_ids
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self._template = None
+        self._template_error = ""
         if chat_template:
-            self._template = compile_template(chat_template)
+            try:
+                self._template = compile_template(chat_template)
+            except jinja2.TemplateError as e:  # prompts still serve; each chat request is refused, saying why
+                self._template_error = f"the model's chat template does not compile ({e})"
+                log.warning("%s: chat requests will be refused; prompts are served", self._template_error)
 
     @classmethod
     def from_gguf(cls, reader) -> TextTokenizer:
@@ -140,7 +149,8 @@ class TextTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template is None:
-            raise ValueError("the model has no chat template; send a prompt instead of messages")
+            raise ValueError(f"{self._template_error or 'the model has no chat template'}; send a prompt instead of "
+                             "messages")
         bos = self.tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=bos, eos_token=self.eos_token)
