@@ -152,8 +152,9 @@ class TextTokenizer:
             raise ValueError(f"{self._template_error or 'the model has no chat template'}; send a prompt instead of "
                              "messages")
         bos = self.tok.id_to_token(self.bos_id) if self.bos_id is not None else ""
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=bos, eos_token=self.eos_token)
+        # tools and documents none, as transformers passes them without any: "tools is not none" must be false
+        return self._template.render(messages=messages, tools=None, documents=None, bos_token=bos,
+                                     eos_token=self.eos_token, add_generation_prompt=add_generation_prompt)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         # The template writes BOS itself when the model wants it.

@@ -1,7 +1,7 @@
 """A chat template renders as transformers renders it (its apply_chat_template on the same template and
 messages), for what templates on the Hub use beyond plain jinja2: `{% break %}` / `{% continue %}`,
 `{% generation %}` blocks, tojson (JSON as json.dumps writes it: jinja2's own escapes HTML characters),
-namespace(), raise_exception."""
+namespace(), raise_exception, tools and documents given as none."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from kvgen.engine.tokenizer import TextTokenizer
 from tests.tiny import tiny_bpe_tokenizer
 
 TEMPLATE = (
+    "{%- if tools is not none or documents is not none -%}{{ raise_exception('no tools were given') }}{%- endif -%}"
     "{%- set ns = namespace(system='') -%}"
     "{%- for m in messages -%}"
     "{%- if m['role'] == 'system' -%}{%- set ns.system = m['content'] -%}{%- continue -%}{%- endif -%}"
