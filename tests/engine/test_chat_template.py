@@ -65,3 +65,20 @@ def test_a_template_that_does_not_compile_refuses_chats_and_the_model_serves_pro
     assert ours.encode("hello") == tok.encode("hello").ids
     with pytest.raises(ValueError, match="chat template does not compile .*send a prompt instead"):
         ours.encode_chat([{"role": "user", "content": "hi"}])
+
+
+def test_a_folders_named_templates_render_the_default_as_transformers_does(tmp_path):
+    """tokenizer_config.json may hold a list of named templates (a tool-use one beside the default)."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    tiny_bpe_tokenizer(300).save(str(tmp_path / "tokenizer.json"))
+    named = [{"name": "tool_use", "template": "TOOLS{{ messages | length }}"},
+             {"name": "default", "template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": named, "eos_token": "<|im_end|>"}))
+    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    want = AutoTokenizer.from_pretrained(str(tmp_path)).apply_chat_template(chat, tokenize=False)
+    assert want == "<user>hi<assistant>yo"
+    assert TextTokenizer.from_folder(tmp_path).apply_chat_template(chat, add_generation_prompt=False) == want
