@@ -92,6 +92,11 @@ class TextTokenizer:
                 self._template_error = f"the model's chat template does not compile ({e})"
                 log.warning("%s: chat requests will be refused; prompts are served", self._template_error)
 
+    @property
+    def renders_chats(self) -> bool:
+        """Whether chat messages can be rendered: a template, and one that compiles (GetModelInfo.has_chat_template)."""
+        return self._template is not None
+
     @classmethod
     def from_gguf(cls, reader) -> TextTokenizer:
         def field(key, default=None):

@@ -194,7 +194,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             name=cfg.name, architecture=cfg.architecture, context_length=cfg.context_length,
             vocab_size=cfg.vocab_size, num_layers=cfg.num_layers, num_heads=cfg.num_heads,
             num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, kv_dtype=gen.pool.fmt.name,
-            weight_dtype=gen.model.weight_dtype, has_chat_template=gen.tokenizer.chat_template is not None,
+            weight_dtype=gen.model.weight_dtype, has_chat_template=gen.tokenizer.renders_chats,
             eos_token_ids=cfg.eos_token_ids, bos_token_id=cfg.bos_token_id if cfg.bos_token_id is not None else -1,
             kv_block_size=gen.pool.block_size, kv_blocks_total=gen.pool.capacity, device=str(gen.model.device),
             prefix_cache=gen.scheduler.kv.prefix is not None, cpu_kernels=kernel_path(gen.model),
