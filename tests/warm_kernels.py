@@ -2,15 +2,16 @@
 
 Numba's disk cache (kvgen/cpu/kernel_cache.py) holds a kernel once one process has compiled it, but two
 workers that start together both compile the block kernels and the fused step before either has cached
-them: minutes of both cores on a fresh machine. `make test` runs this beside the clients' installs, which
-wait on the network, so the workers find the kernels cached: the embedded model served with each KV format
-the engine's suites decode through (fp32 and the quantized fp8 and q4, each a step of its own).
+them: minutes of both cores on a fresh machine. `make test` runs this beside the clients' installs, so the
+workers find the kernels cached: the embedded model served with each KV format the engine's suites decode
+through (fp32 and the quantized fp8 and q4, each a step of its own).
 
 The fused step (decode_step.step) can only be compiled once its callees are, but its two families of
 callees do not need each other: the block kernels (weight_blocks.compile_kernels, ~55 s on a Zen 3 core)
 and the attention and row kernels (decode_step.warm_up, ~40 s, paged_attention.attend most of it). Each
 is compiled in a process of its own, at once, on the machine's two cores; then the step, here, loading
-both from the cache (~50 s). One after another in one process the three took ~145 s.
+both from the cache (~50 s). One after another in one process the three took ~140 s, this way ~115 s
+(beside the installs, which keep the other core busy, no faster: 3 to 4 minutes either way).
 
     .venv/bin/python -m tests.warm_kernels
 """
@@ -50,7 +51,7 @@ PARTS = {"blocks": block_kernels, "attention": attention_kernels}
 def main() -> None:
     t0 = time.perf_counter()
     parts = [subprocess.Popen([sys.executable, "-m", "tests.warm_kernels", name]) for name in PARTS]
-    if any(p.wait() for p in parts):
+    if any([p.wait() for p in parts]):  # both waited for: neither left running behind a failed one
         sys.exit("a kernel warm-up process failed")
     t1 = time.perf_counter()
     for kv in ("auto", "fp8", "q4"):

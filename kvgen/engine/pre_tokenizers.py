@@ -35,6 +35,7 @@ GPT4O = _cased_words(_CONTRACTIONS + "?") + r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\
 DEEPSEEK3_WORDS = (r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
                    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _FINNISH = r" ?[^(\s|.,!?…。，、।۔،)]+"
+_CJK_HANGUL = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"  # DeepSeek's (LLM and Coder) runs of CJK and Hangul
 # DeepSeek LLM's letters, as llama.cpp lists them (Latin, Greek, Cyrillic, Armenian, Georgian, Cherokee, Glagolitic,
 # Coptic, fullwidth Latin, ...): cased letters, not \p{L}: CJK and Hangul are cut apart by their own regex
 _DEEPSEEK_LETTERS = (
@@ -72,8 +73,8 @@ _KINDS = {
     "deepseek3": PreTokenizer((r"\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+", DEEPSEEK3_WORDS)),
     "deepseek-llm": PreTokenizer(("[\r\n]", _DEEPSEEK_LETTERS,
                                   "\\s?[!-/:-~\uff01-\uff0f\uff1a-\uff5e\u2018-\u201f\u3000-\u3002]+", r"\s+$",
-                                  "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+", r"\p{N}+")),
-    "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}")),
+                                  _CJK_HANGUL, r"\p{N}+")),
+    "deepseek-coder": PreTokenizer(("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", _CJK_HANGUL, r"\p{N}")),
     "falcon": PreTokenizer((r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]")),
     "seed-coder": PreTokenizer((_CONTRACTIONS + r"|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1}| ?[^\s\p{L}\p{N}\r\n]+"
                                 r"|\s*[\r\n]+|\s+(?!\S)|\s+",)),
@@ -114,9 +115,9 @@ def of(pre: str | None) -> PreTokenizer:
     """The pre-tokenizer a file's tokenizer.ggml.pre names (a file without one: llama.cpp's "default")."""
     kind = NAMES.get(pre or "default")
     if kind is None:
-        raise UnsupportedModel(f"unsupported BPE pre-tokenizer {pre!r} (tokenizer.ggml.pre): its text splitting is not "
-                         f"one kvgen implements, and another would give other token ids than the model's; "
-                         f"supported: {', '.join(sorted(NAMES))}")
+        raise UnsupportedModel(f"unsupported BPE pre-tokenizer {pre!r} (tokenizer.ggml.pre): its text splitting is "
+                               f"not one kvgen implements, and another would give other token ids than the model's; "
+                               f"supported: {', '.join(sorted(NAMES))}")
     return _KINDS[kind]
 
 

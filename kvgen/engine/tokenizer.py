@@ -128,8 +128,8 @@ class TextTokenizer:
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates (a tool-use one beside the default): the default, as
-            template = {t.get("name"): t.get("template") for t in template}.get("default")  # transformers takes
+        if isinstance(template, list):  # named templates (a tool-use one beside the default): transformers
+            template = {t.get("name"): t.get("template") for t in template}.get("default")  # takes the default
         if template is None and (folder / "chat_template.jinja").exists():
             template = (folder / "chat_template.jinja").read_text()
         # tokenizer.json's post-processor already adds BOS where the model wants it.
