@@ -60,7 +60,6 @@ class PreTokenizer:
 
 
 _KINDS = {
-    "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]")),
     "gpt2": PreTokenizer((GPT2,)),
     "digits": PreTokenizer((r"\p{N}", GPT2)),
     "llama3": PreTokenizer((LLAMA3,), ignore_merges=True, add_bos=True),
@@ -85,11 +84,14 @@ _KINDS = {
     "viking": PreTokenizer((_FINNISH, r"\p{N}")),
 }
 
-# tokenizer.ggml.pre -> its kind, as llama-vocab.cpp's llama_vocab::impl::load groups the names
+# tokenizer.ggml.pre -> its kind, as llama-vocab.cpp's llama_vocab::impl::load groups the names; but "default" (or
+# no name) is GPT-2's split, as transformers reads such a file: llama.cpp's "default" is four legacy regexes of its
+# own (punctuation runs and 3-digit groups cut first) that no converter writes for a BPE vocabulary, so it is only
+# ever a hand-made file's, whose vocabulary was most likely trained with GPT-2's split
 NAMES = {
-    "default": "default",
-    **dict.fromkeys(["gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4", "gigachat",
-                     "a.x-4.0", "mellum", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "modern-bert"], "gpt2"),
+    **dict.fromkeys(["default", "gpt-2", "phi-2", "mpt", "olmo", "jais", "trillion", "granite-docling", "exaone4",
+                     "gigachat", "a.x-4.0", "mellum", "jina-es", "jina-de", "jina-v2-es", "jina-v2-de", "modern-bert"],
+                    "gpt2"),
     **dict.fromkeys(["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b", "mellum2"],
                     "digits"),
     **dict.fromkeys(["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
@@ -112,7 +114,7 @@ NAMES = {
 
 
 def of(pre: str | None) -> PreTokenizer:
-    """The pre-tokenizer a file's tokenizer.ggml.pre names (a file without one: llama.cpp's "default")."""
+    """The pre-tokenizer a file's tokenizer.ggml.pre names (a file without one: "default")."""
     kind = NAMES.get(pre or "default")
     if kind is None:
         raise UnsupportedModel(f"unsupported BPE pre-tokenizer {pre!r} (tokenizer.ggml.pre): its text splitting is "

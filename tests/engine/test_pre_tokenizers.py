@@ -1,7 +1,8 @@
 """A byte-level BPE file's `tokenizer.ggml.pre` picks how text is cut into words, as llama.cpp reads it.
 
 Against llama.cpp's own table (src/llama-vocab.cpp of the sources the converter comes from, parsed
-here): every name llama.cpp knows is either served with its regexes and flags or refused by name,
+here): every name llama.cpp knows (but "default", which no converter writes for a BPE vocabulary: GPT-2's split,
+as transformers reads it) is either served with its regexes and flags or refused by name,
 never split some other way; each served name cuts a battery of texts as llama.cpp's regexes do,
 applied its way (each regex cutting the pieces the last left, Python's `regex` as the engine). Where
 llama.cpp notes the model's own regex (tokenizer.json's) beside the one it adapted for C++'s
@@ -51,9 +52,11 @@ def test_the_digits_are_cut_as_each_family_was_trained():
     assert split(pre_tokenizers.of("llama-bpe"), "they'll") == ["they", "'ll"]
 
 
-def test_a_file_without_a_name_is_llama_cpps_default_and_an_unknown_name_is_refused(tmp_path):
-    assert pre_tokenizers.of(None) is pre_tokenizers.of("default")
-    assert split(pre_tokenizers.of(None), "a+b=12345") == ["a", "+", "b", "=", "123", "45"]
+def test_a_file_without_a_name_is_cut_as_transformers_reads_it_and_an_unknown_name_is_refused(tmp_path):
+    """No name, or "default": GPT-2's split, transformers' reading (llama.cpp's own "default" would cut
+    "=12345" into "=", "123", "45")."""
+    assert pre_tokenizers.of(None) is pre_tokenizers.of("default") is pre_tokenizers.of("gpt-2")
+    assert split(pre_tokenizers.of(None), "a+b=12345") == ["a", "+", "b", "=", "12345"]
     tok = tiny_bpe_tokenizer(300)
     cfg = tiny_config(vocab=tok.get_vocab_size(), layers=1, hidden=32, heads=2, kv_heads=1, ffn=64)
     weights = tiny_weights(cfg, seed=1)
@@ -143,6 +146,8 @@ def test_every_name_llama_cpp_knows_is_served_as_it_reads_it_or_refused(llama_cp
     assert len(names) > 60 and {"llama-bpe", "qwen2", "smollm", "tekken", "deepseek-r1-qwen"} <= set(names)
     assert set(pre_tokenizers.NAMES) <= set(names)  # no name of our own
     for name, (kind, ignore_merges, add_bos) in sorted(names.items()):
+        if name == "default":  # the one name read as transformers reads it (pre_tokenizers.NAMES says why)
+            kind = "GPT2"
         if name not in pre_tokenizers.NAMES:
             with pytest.raises(UnsupportedModel, match=re.escape(repr(name))):
                 pre_tokenizers.of(name)
